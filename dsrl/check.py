@@ -1,0 +1,288 @@
+"""Exactness self-check: ``deepspeed --num_gpus N --module dsrl.check --ds_config FILE``.
+
+On the user's own cluster and ds_config (ZeRO stage, precision, communication settings), runs one
+mini-batch of a tiny causal model through :class:`dsrl.RLEngine` with deliberately uneven
+micro-batches (different counts per rank, a rank holding only padding, fully masked sequences) and
+compares the *applied* update with a single-process float64 full-batch reference on the same data.
+
+The update is measured with plain SGD at a large power-of-two LR (no momentum, no weight decay, no
+clipping), so ``(p_before - p_after) / lr`` is the applied gradient to float32 rounding. The
+reference implements each aggregation mode from its definition, independently of dsrl.loss.
+
+The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
+it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl.loss import MODES
+
+LR = 1024.0  # power of two: lr * g is exact, p_after - p_before is dominated by lr * g
+VOCAB, HIDDEN, MAX_LEN = 32, 16, 12
+SPLITS = ("even", "uneven", "pad_rank", "empty")
+
+
+class TinyCausalModel(torch.nn.Module):
+    """Embedding -> causal prefix-mean mixing -> tanh MLP -> logits. Right padding never changes
+    the outputs at earlier positions, so any split into padded micro-batches is exact."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.out = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype).view(1, -1, 1)
+        prefix_mean = h.cumsum(1) / steps
+        return self.out(torch.tanh(self.mix(h + prefix_mean)))
+
+
+def per_token_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A policy-gradient-shaped loss: -A_seq * log pi(next token), ``[b, t]``."""
+    logits = model(micro["input_ids"])
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    return -micro["advantages"].unsqueeze(-1).to(logp.dtype) * logp
+
+
+def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, torch.Tensor]]:
+    """n variable-length sequences with random loss masks; some fully masked (overlong-filtered)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        length = int(torch.randint(2, MAX_LEN + 1, (1,), generator=g))
+        ids = torch.randint(0, VOCAB, (length,), generator=g)
+        targets = torch.randint(0, VOCAB, (length,), generator=g)
+        start = int(torch.randint(0, length, (1,), generator=g))  # prompt part is masked
+        mask = torch.zeros(length, dtype=torch.long)
+        mask[start:] = 1
+        if empty or i % 5 == 3:
+            mask.zero_()
+        adv = torch.randn((), generator=g) * 2
+        seqs.append({"input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv})
+    return seqs
+
+
+def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence of this micro-batch."""
+    t = max(s["input_ids"].shape[0] for s in seqs)
+    out = {k: torch.zeros(len(seqs), t, dtype=torch.long) for k in ("input_ids", "targets", "loss_mask")}
+    for i, s in enumerate(seqs):
+        n = s["input_ids"].shape[0]
+        for k in ("input_ids", "targets", "loss_mask"):
+            out[k][i, :n] = s[k]
+    out["advantages"] = torch.stack([s["advantages"] for s in seqs])
+    return out
+
+
+def _rank_bounds(n: int, world: int, how: str) -> list[int]:
+    if how in ("even", "empty"):
+        per = n // world
+        return [r * per for r in range(world)] + [n]
+    weights = [r + 1 for r in range(world)]
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + max(1, round(n * w / sum(weights))))
+    bounds[-1] = n
+    return bounds
+
+
+def prepare_split(seqs: list[dict], world: int, how: str) -> list[dict]:
+    """The global mini-batch for a split pattern: for ``pad_rank`` the sequences that land on the
+    last rank are fully masked (that rank holds only padding); the reference sees the same data."""
+    if how != "pad_rank" or world == 1:
+        return seqs
+    start = _rank_bounds(len(seqs), world, how)[world - 1]
+    return seqs[:start] + [dict(s, loss_mask=torch.zeros_like(s["loss_mask"])) for s in seqs[start:]]
+
+
+def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[list[dict]]:
+    """This rank's micro-batches (lists of sequences) under a split pattern.
+
+    even: B/world sequences per rank, micro-batches of 2. uneven: rank r gets a share that grows
+    with r, cut into micro-batches of sizes 1, 3, 2, 1, ... so micro-batch counts differ per rank.
+    pad_rank: like uneven; :func:`prepare_split` masks the last rank's sequences.
+    empty: every sequence fully masked (a zero-token mini-batch).
+    """
+    bounds = _rank_bounds(len(seqs), world, how)
+    mine = seqs[bounds[rank]:bounds[rank + 1]]
+    if how in ("even", "empty"):
+        return [mine[i:i + 2] for i in range(0, len(mine), 2)]
+    sizes, out, i, k = (1, 3, 2, 1), [], 0, 0
+    while i < len(mine):
+        out.append(mine[i:i + sizes[k % len(sizes)]])
+        i += sizes[k % len(sizes)]
+        k += 1
+    return out
+
+
+def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str, norm_length: int) -> list[torch.Tensor]:
+    """float64 gradient of the mini-batch loss, each mode computed from its definition."""
+    ref = copy.deepcopy(model).double()
+    batch = collate(seqs)
+    lt = per_token_loss(ref, batch)
+    mask = batch["loss_mask"].double()
+    n_s = mask.sum(-1)
+    nonempty = n_s > 0
+    if mode == "token-mean":
+        loss = (lt * mask).sum() / mask.sum().clamp(min=1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = (lt * mask).sum(-1)[nonempty] / n_s[nonempty]
+        loss = per_seq.mean() if per_seq.numel() else (lt * 0).sum()
+    elif mode == "seq-mean-token-sum":
+        per_seq = (lt * mask).sum(-1)[nonempty]
+        loss = per_seq.mean() if per_seq.numel() else (lt * 0).sum()
+    elif mode == "seq-mean-token-sum-norm":
+        loss = (lt * mask).sum() / (len(seqs) * norm_length)
+    else:
+        raise ValueError(mode)
+    loss.backward()
+    return [p.grad.detach().clone() for p in ref.parameters()]
+
+
+def full_parameters(engine: Any) -> list[torch.Tensor]:
+    """Full (unpartitioned) float64 copies of the module's parameters, on every rank."""
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().double().cpu().clone() for p in params]
+    return [p.detach().double().cpu().clone() for p in params]
+
+
+def relative_error(update: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0)."""
+    worst = 0.0
+    for u, r in zip(update, ref):
+        denom = r.norm().item()
+        err = (u - r).norm().item()
+        worst = max(worst, err / denom if denom > 0 else err)
+    return worst
+
+
+def naive_step(engine: Any, micros: list[dict], n_max: int) -> None:
+    """The common wrong recipe: token-mean per micro-batch, averaged over the rank's micro-batches,
+    then DeepSpeed's average over ranks (kept here to show the check can fail)."""
+    fillers = n_max - len(micros)
+    template = micros[0]
+    for mb in micros + [dict(template, loss_mask=torch.zeros_like(template["loss_mask"]))] * fillers:
+        lt = per_token_loss(engine, mb)
+        mask = mb["loss_mask"].to(lt.dtype)
+        loss = (lt * mask).sum() / mask.sum().clamp(min=1) / len(micros)
+        engine.backward(loss, scale_wrt_gas=False)
+    engine.step()
+
+
+def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, seed: int) -> dict[str, Any]:
+    import dsrl
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    B = 6 * world
+    seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty")), world, split)
+    torch.manual_seed(seed)
+    model = TinyCausalModel()
+    cfg = copy.deepcopy(ds_config)
+    for k in ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
+              "gradient_accumulation_steps"):
+        cfg.pop(k, None)
+    cfg.setdefault("zero_optimization", {})["stage"] = stage
+    cfg["zero_allow_untested_optimizer"] = True
+    cfg["gradient_clipping"] = 0.0
+    cfg["dsrl"] = {
+        "batch": {"prompts_per_rollout": B, "samples_per_prompt": 1, "mini_batch_size": B,
+                  "max_tokens_per_micro_batch": 4 * MAX_LEN, "allow_oversize": True, "loss_agg": mode,
+                  "loss_agg_norm_length": MAX_LEN},
+        "run": {"rollouts": 1},
+        "data": {"max_prompt_tokens": 1},
+        "rollout": {"max_new_tokens": MAX_LEN},
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    engine = dsrl.initialize(model, cfg, optimizer=optimizer)
+    before = full_parameters(engine.engine)
+    ref_model = TinyCausalModel()
+    with torch.no_grad():
+        for p, b in zip(ref_model.parameters(), before):
+            p.copy_(b)
+    micros = [collate(part) for part in split_for_rank(seqs, world, rank, split)]
+    dtype = next(engine.module.parameters()).dtype
+    dev = engine.device
+    micros = [{k: v.to(dev) for k, v in mb.items()} for mb in micros]
+    for mb in micros:
+        mb["advantages"] = mb["advantages"].to(dtype)
+    if method == "dsrl":
+        metrics = engine.train_mini_batch(micros, per_token_loss)
+    else:
+        _, n_max = engine.global_counts(micros)
+        naive_step(engine.engine, micros, n_max)
+        metrics = {}
+    after = full_parameters(engine.engine)
+    update = [(b - a) / LR for b, a in zip(before, after)]
+    ref = reference_gradient(ref_model, seqs, mode, MAX_LEN)
+    err = relative_error(update, ref)
+    return {"stage": stage, "loss_agg": mode, "split": split, "method": method, "world_size": world,
+            "error": err, "micro_batches": len(micros), "tokens": metrics.get("tokens")}
+
+
+def tolerance_for(ds_config: dict) -> float:
+    low_precision = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") in (True, "auto")
+                        for k in ("bf16", "fp16"))
+    return 2e-2 if low_precision else 1e-6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsrl.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--ds_config", required=True, help="the run file (ds_config with a dsrl section)")
+    parser.add_argument("--zero_stages", default=None, help="comma list overriding the config's stage, e.g. 0,1,2,3")
+    parser.add_argument("--loss_agg", default="all", help=f"'all' or one of {', '.join(MODES)}")
+    parser.add_argument("--splits", default=",".join(SPLITS), help=f"comma list of {', '.join(SPLITS)}")
+    parser.add_argument("--method", default="dsrl", choices=("dsrl", "naive"),
+                        help="naive = per-micro-batch mean (expected to fail; shows the check can fail)")
+    parser.add_argument("--tolerance", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write every case's result to this file (rank 0)")
+    parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    from dsrl.config import load_config
+    from dsrl.engine import ensure_distributed
+
+    raw = load_config(args.ds_config).to_dict()
+    ensure_distributed()
+    stage0 = (raw.get("zero_optimization") or {}).get("stage", 0)
+    stages = [int(s) for s in args.zero_stages.split(",")] if args.zero_stages else [int(stage0)]
+    modes = list(MODES) if args.loss_agg == "all" else args.loss_agg.split(",")
+    splits = args.splits.split(",")
+    tol = args.tolerance if args.tolerance is not None else tolerance_for(raw)
+    rank = dist.get_rank()
+    results, worst = [], 0.0
+    for stage in stages:
+        for mode in modes:
+            for split in splits:
+                res = run_case(raw, stage, mode, split, args.method, args.seed)
+                results.append(res)
+                worst = max(worst, res["error"])
+                if rank == 0:
+                    print(f"ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} "
+                          f"relative error {res['error']:.3e}", flush=True)
+    if rank == 0 and args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"tolerance": tol, "results": results}, f, indent=1)
+    if rank == 0:
+        print(f"max relative gradient error: {worst:.3e}", flush=True)
+    dist.barrier()
+    return 0 if worst <= tol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

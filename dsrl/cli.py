@@ -1,0 +1,124 @@
+"""The ``dsrl`` command: ``dsrl plan`` prints the batch plan; ``dsrl check`` explains the self-check.
+
+``dsrl plan --ds_config FILE [--world_size N] [--dataset_size M] [--lengths FILE] [--json] [--dsrl.x.y V ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from dsrl.config import Config, ConfigError, load_config, parse_override_args
+from dsrl.plan import BatchPlan
+
+
+def _dataset_size(cfg: Config, given: int | None) -> int | None:
+    if given is not None:
+        return given
+    if cfg.dsrl.run.epochs is None:
+        return None
+    try:
+        from dsrl.data import dataset_size
+
+        return dataset_size(cfg.dsrl.data)
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
+                      lengths: list[int] | None = None) -> tuple[BatchPlan, dict[str, Any]]:
+    """The plan plus what `dsrl plan` reports beside it (DeepSpeed fields, LR at first/last step)."""
+    from dsrl.schedule import base_lr, lr_curve, schedule_spec
+
+    sp = int(cfg.ds_config.get("sequence_parallel_size", 1) or 1)
+    if world_size % sp:
+        raise ConfigError(f"--world_size {world_size} is not a multiple of sequence_parallel_size {sp}")
+    plan = BatchPlan.from_config(cfg, world_size // sp, dataset_size)
+    plan.check_user_batch_fields(cfg.ds_config)
+    spec = schedule_spec(cfg, plan.total_optimizer_steps)
+    lr = base_lr(cfg)
+    first, last = lr_curve(spec, lr if lr is not None else 1.0, [1, plan.total_optimizer_steps])
+    extra: dict[str, Any] = {
+        "world_size": world_size,
+        "scheduler": f"{spec.source}:{spec.name}",
+        "lr_first_step": first,
+        "lr_last_step": last,
+        "lr_unit": "absolute" if lr is not None else "fraction of the optimizer lr",
+        "gradient_clipping": cfg.ds_config.get("gradient_clipping", 1.0),
+    }
+    if lengths is not None and plan.token_budget_mode:
+        from dsrl.partition import expected_token_budget_stats
+
+        extra["token_budget"] = expected_token_budget_stats(plan, lengths, cfg.dsrl.batch)
+    return plan, extra
+
+
+def cmd_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsrl plan", description="Print the batch plan of a run file.")
+    parser.add_argument("--ds_config", required=True)
+    parser.add_argument("--world_size", type=int, default=1, help="total ranks (default 1)")
+    parser.add_argument("--dataset_size", type=int, default=None, help="prompts in the dataset (for run.epochs)")
+    parser.add_argument("--lengths", default=None,
+                        help="token-budget mode: a file of sequence lengths (one per line, or a JSON list) "
+                             "to estimate micro-batches per step and padding")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args, rest = parser.parse_known_args(argv)
+    cfg = load_config(args.ds_config, parse_override_args(rest))
+    lengths = None
+    if args.lengths:
+        with open(args.lengths, encoding="utf-8") as f:
+            text = f.read().strip()
+        lengths = json.loads(text) if text.startswith("[") else [int(x) for x in text.split()]
+    plan, extra = build_plan_report(cfg, args.world_size, _dataset_size(cfg, args.dataset_size), lengths)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), **extra}, indent=1, sort_keys=True))
+        return 0
+    rows = plan.describe()
+    ds = plan.deepspeed_batch_fields()
+    rows += [
+        ("DeepSpeed train_batch_size", str(ds["train_batch_size"])),
+        ("DeepSpeed train_micro_batch_size_per_gpu", str(ds["train_micro_batch_size_per_gpu"] or "varies")),
+        ("DeepSpeed gradient_accumulation_steps", str(ds["gradient_accumulation_steps"] or "varies")),
+        ("LR schedule", extra["scheduler"]),
+        ("LR at first / last step", f"{extra['lr_first_step']:.4g} / {extra['lr_last_step']:.4g} "
+                                    f"({extra['lr_unit']})"),
+    ]
+    if "token_budget" in extra:
+        tb = extra["token_budget"]
+        rows += [
+            ("expected micro-batches per step", f"{tb['micro_batches_per_step']:.2f} per rank"),
+            ("expected padded-token fraction", f"{tb['padding_fraction']:.2%}"),
+            ("expected max/mean rank load", f"{tb['max_over_mean_load']:.3f}"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    print(f"dsrl plan for {cfg.source} on {args.world_size} rank(s)")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\nSelf-check on your cluster: deepspeed --num_gpus N --module dsrl.check --ds_config FILE")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd == "plan":
+            return cmd_plan(rest)
+        if cmd == "check":
+            from dsrl.check import main as check_main
+
+            return check_main(rest)
+    except ConfigError as e:
+        print(f"dsrl: configuration error: {e}", file=sys.stderr)
+        return 2
+    print(f"dsrl: unknown command {cmd!r} (use 'plan' or 'check')", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Loss aggregation as per-token weights from global counts, policy-gradient losses, KL estimators.
+
+The invariant (architecture §2): for a mini-batch M, every aggregation mode is a weighted token sum
+
+    L_M = sum_{t in M} w_t * l_t
+
+with weights that depend only on *global* counts of M (and, for seq-mean-token-mean, on the
+whole sequence's valid-token count n_s), never on how M is split into micro-batches or ranks:
+
+    token-mean               w_t = 1 / N_M
+    seq-mean-token-mean      w_t = 1 / (S_M * n_s)
+    seq-mean-token-sum       w_t = 1 / S_M
+    seq-mean-token-sum-norm  w_t = 1 / (B * L_norm)      (Dr. GRPO; constant)
+
+N_M = valid tokens of M, S_M = sequences of M with at least one valid token. Masked tokens always
+get weight 0, and a mini-batch with no valid tokens gives all-zero weights (never 0/0).
+
+Nothing here knows about DeepSpeed, Megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TOKEN_MEAN = "token-mean"
+SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+MODES = (TOKEN_MEAN, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_SUM_NORM)
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Counts of one whole mini-batch, summed over every token-owning rank and micro-batch."""
+
+    tokens: int  # N_M
+    sequences: int  # S_M (sequences with >= 1 valid token)
+
+
+def valid_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Boolean view of a loss mask (1 = token counted)."""
+    return loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
+
+
+def sequence_valid_tokens(micro: dict) -> torch.Tensor:
+    """n_s per sequence of a micro-batch, ``[b]``.
+
+    Uses ``micro["seq_valid_tokens"]`` when present: under sequence/context parallelism a rank
+    holds only a shard of each sequence, and n_s must be the *whole* sequence's count.
+    """
+    if "seq_valid_tokens" in micro:
+        return micro["seq_valid_tokens"].to(torch.float64)
+    return valid_mask(micro["loss_mask"]).sum(-1, dtype=torch.float64)
+
+
+def local_counts(micro: dict, owns_sequences: bool = True) -> tuple[int, int]:
+    """(valid tokens, non-empty sequences) held by this rank for one micro-batch.
+
+    ``owns_sequences`` is False on ranks that see a shard of sequences that another rank of the
+    same token-owning group also counts (e.g. non-zero sequence-parallel ranks), so that every
+    sequence is counted exactly once.
+    """
+    tokens = int(valid_mask(micro["loss_mask"]).sum())
+    seqs = int((sequence_valid_tokens(micro) > 0).sum()) if owns_sequences else 0
+    return tokens, seqs
+
+
+def token_weights(
+    mode: str,
+    micro: dict,
+    counts: GlobalCounts,
+    *,
+    mini_batch_size: int | None = None,
+    norm_length: int | None = None,
+) -> torch.Tensor:
+    """Per-token weights w_t ``[b, t]`` (float64) of one micro-batch under ``mode``."""
+    mask = valid_mask(micro["loss_mask"])
+    w = mask.to(torch.float64)
+    if mode == TOKEN_MEAN:
+        return w / max(counts.tokens, 1)
+    if mode == SEQ_MEAN_TOKEN_MEAN:
+        n_s = sequence_valid_tokens(micro).clamp(min=1).to(w.device)
+        return w / n_s.unsqueeze(-1) / max(counts.sequences, 1)
+    if mode == SEQ_MEAN_TOKEN_SUM:
+        return w / max(counts.sequences, 1)
+    if mode == SEQ_MEAN_TOKEN_SUM_NORM:
+        if not mini_batch_size or not norm_length:
+            raise ValueError(
+                "seq-mean-token-sum-norm needs mini_batch_size (B) and norm_length (L_norm): "
+                "set dsrl.batch.loss_agg_norm_length or dsrl.rollout.max_new_tokens"
+            )
+        return w / (mini_batch_size * norm_length)
+    raise ValueError(f"loss_agg {mode!r} is not one of {MODES}")
+
+
+def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum_t w_t * l_t over valid tokens, in the loss's dtype.
+
+    Masked positions are *selected away* (not multiplied by 0), so a NaN/inf in a padded
+    position (e.g. a log-prob of a pad token) can never reach the loss or the gradient.
+    """
+    mask = valid_mask(mask)
+    contrib = per_token * weights.to(per_token.dtype)
+    return torch.where(mask, contrib, torch.zeros_like(contrib)).sum()
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum of values over valid tokens (masked positions selected away, never multiplied)."""
+    mask = valid_mask(mask)
+    return torch.where(mask, values, torch.zeros_like(values)).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# Policy-gradient loss and KL estimators (per token; aggregation is applied by the engine)
+# --------------------------------------------------------------------------------------------
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with separate low/high clip (DAPO clip-higher), per token.
+
+    Returns the per-token loss ``-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A)`` and per-token
+    indicators: ``clip_low_frac`` (ratio clipped at the low bound and the clip is active, A<0)
+    and ``clip_high_frac`` (clipped at the high bound, A>0), and ``ratio``.
+    ``advantages`` may be ``[b]`` (per sequence) or ``[b, t]``.
+    """
+    if advantages.dim() == logprobs.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).to(logprobs.dtype)
+        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).to(logprobs.dtype)
+    return loss, {"clip_low_frac": low, "clip_high_frac": high, "ratio": ratio.detach()}
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r, with log r = logp - logp_ref.
+    k3 is unbiased and non-negative; k1 is unbiased but noisy; k2 is biased, low variance.
+    """
+    log_r = (logprobs - ref_logprobs).clamp(-20.0, 20.0)
+    if estimator == "k1":
+        return log_r
+    if estimator == "k2":
+        return 0.5 * log_r.square()
+    if estimator == "k3":
+        return torch.exp(-log_r) - 1.0 + log_r
+    raise ValueError(f"kl_estimator {estimator!r} must be k1, k2 or k3")
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(target_t | prefix) for every position, ``[b, t]``, computed in float32."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the policy at every position, ``[b, t]`` (float32)."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
