@@ -108,11 +108,14 @@ class RLEngine:
         if not isinstance(micro, Mapping) or "loss_mask" not in micro:
             raise TypeError(
                 f"micro-batch {i} must be a mapping of tensors with a 'loss_mask' [b, t] entry "
-                f"(1 = token counted); got {type(micro).__name__} with keys {list(micro)[:8] if isinstance(micro, Mapping) else '-'}"
+                f"(1 = token counted); got {type(micro).__name__} with keys "
+                f"{list(micro)[:8] if isinstance(micro, Mapping) else '-'}"
             )
         mask = micro["loss_mask"]
         if not torch.is_tensor(mask) or mask.dim() != 2:
-            raise TypeError(f"micro-batch {i}: loss_mask must be a 2-D tensor [b, t], got {getattr(mask, 'shape', mask)!r}")
+            raise TypeError(
+                f"micro-batch {i}: loss_mask must be a 2-D tensor [b, t], got {getattr(mask, 'shape', mask)!r}"
+            )
 
     def _gather_stats(self, values: list[float]) -> torch.Tensor:
         """All-gather a small float64 vector over the token-owning group -> [group_size, len]."""
@@ -169,7 +172,7 @@ class RLEngine:
 
         loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
-        for i, mb in enumerate(micros + fillers):
+        for mb in micros + fillers:
             out = loss_fn(self.engine, mb)
             per_token, metrics = out if isinstance(out, tuple) else (out, {})
             mask = mb["loss_mask"].to(per_token.device)
