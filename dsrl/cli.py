@@ -55,6 +55,18 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     return plan, extra
 
 
+def _deepspeed_logs_to_stderr() -> None:
+    """Keep stdout machine-readable: DeepSpeed's logger writes to stdout, even at import time."""
+    import contextlib
+    import logging
+
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.utils.logging import logger
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
 def cmd_plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsrl plan", description="Print the batch plan of a run file.")
     parser.add_argument("--ds_config", required=True)
@@ -65,6 +77,7 @@ def cmd_plan(argv: list[str]) -> int:
                              "to estimate micro-batches per step and padding")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = parser.parse_known_args(argv)
+    _deepspeed_logs_to_stderr()
     cfg = load_config(args.ds_config, parse_override_args(rest))
     lengths = None
     if args.lengths:

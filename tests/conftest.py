@@ -28,7 +28,10 @@ def launch(args: list[str], nprocs: int, timeout: float = 600, env: dict | None 
     """`deepspeed --num_gpus N ARGS...` from the repo root; a hang fails after ``timeout`` seconds."""
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs),
            "--master_port", str(free_port()), *args]
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", **(env or {})}
+    # Workers import this checkout's dsrl (and tests/ helpers) whatever is installed.
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath,
+                **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(

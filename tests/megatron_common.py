@@ -1,0 +1,172 @@
+"""Shared pieces of the Megatron multi-process tests: a tiny GPTModel, RL-shaped data, the
+per-token PPO loss, gathering TP/PP-sharded weights and gradients into one unsharded state, and the
+single-process float64 reference gradient of L_M = sum_t w_t l_t."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl.loss import GlobalCounts, clipped_policy_loss, local_counts, token_weights, weighted_sum
+
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ, MAX_POS = 64, 32, 4, 2, 16, 32
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+NORM_LENGTH = 12
+
+
+def transformer_config(per_token: bool, pp: int = 1, **extra: Any) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+        calculate_per_token_loss=per_token, pipeline_dtype=torch.float32, hidden_dropout=0.0,
+        attention_dropout=0.0, pipeline_model_parallel_size=pp, **extra,
+    )
+
+
+def gpt_model(config: Any, pre_process: bool = True, post_process: bool = True) -> Any:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                    max_sequence_length=MAX_POS, pre_process=pre_process, post_process=post_process)
+
+
+def build_parallel(per_token: bool, seed: int = 0, ddp_kwargs: dict | None = None,
+                   flip_flag_after_ddp: bool | None = None) -> tuple[Any, Any, Any]:
+    """(DDP model, megatron optimizer, scheduler) for the current parallel state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from dsrl.megatron import build_param_scheduler
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    cfg = transformer_config(per_token, ps.get_pipeline_model_parallel_world_size())
+    model = gpt_model(cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(**(ddp_kwargs or {})), model)
+    if flip_flag_after_ddp is not None:
+        cfg.calculate_per_token_loss = flip_flag_after_ddp
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, min_lr=0.0, clip_grad=0.0), [ddp])
+    sched = build_param_scheduler(opt, total_optimizer_steps=20, max_lr=1e-4, warmup_steps=2)
+    return ddp, opt, sched
+
+
+def make_micro(gen: torch.Generator, b: int = 2, s: int = SEQ, vocab: int = VOCAB, empty_row: bool = False) -> dict:
+    tokens = torch.randint(1, vocab, (b, s), generator=gen)
+    labels = torch.randint(1, vocab, (b, s), generator=gen)
+    mask = torch.zeros(b, s)
+    for i in range(b):
+        p = int(torch.randint(2, 6, (1,), generator=gen))
+        c = 0 if (empty_row and i == 0) else int(torch.randint(1, s - p + 1, (1,), generator=gen))
+        mask[i, p:p + c] = 1
+    return {
+        "tokens": tokens, "labels": labels, "loss_mask": mask,
+        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+        "old_logprobs": -4.2 + 0.3 * torch.randn(b, s, generator=gen),
+        "advantages": torch.randn(b, generator=gen),
+    }
+
+
+def make_replicas(seed: int, counts: list[int]) -> list[list[dict]]:
+    """Micro-batches of every data-parallel replica (identical on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[make_micro(gen, empty_row=(r == 0 and i == 0)) for i in range(m)] for r, m in enumerate(counts)]
+
+
+def gpt_forward(model: Any, mb: dict) -> torch.Tensor:
+    return model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None, labels=mb["labels"])
+
+
+def ppo_loss(output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """output = per-token cross entropy [b, t] (GPTModel with labels) -> PPO clipped loss per token."""
+    logp = -output
+    loss, info = clipped_policy_loss(logp, mb["old_logprobs"].to(logp.dtype), mb["advantages"].to(logp.dtype),
+                                     CLIP_LOW, CLIP_HIGH)
+    return loss, {"ratio": info["ratio"]}
+
+
+def global_counts_of(all_micros: list[dict]) -> GlobalCounts:
+    tok = seq = 0
+    for mb in all_micros:
+        t, s = local_counts(mb)
+        tok, seq = tok + t, seq + s
+    return GlobalCounts(tokens=tok, sequences=seq)
+
+
+def reference_grads(model: torch.nn.Module, all_micros: list[dict], mode: str, forward: Any, loss: Any,
+                    mini_batch_size: int) -> dict[str, torch.Tensor]:
+    """grad of L_M = sum_t w_t l_t over every micro-batch of every replica, one process, float64."""
+    model.zero_grad(set_to_none=True)
+    counts = global_counts_of(all_micros)
+    total = torch.zeros((), dtype=torch.float64)
+    for mb in all_micros:
+        out = loss(forward(model, mb), mb)
+        per_token = out[0] if isinstance(out, tuple) else out
+        w = token_weights(mode, mb, counts, mini_batch_size=mini_batch_size, norm_length=NORM_LENGTH)
+        total = total + weighted_sum(per_token.double(), w, mb["loss_mask"])
+    total.backward()
+    return {n: p.grad.detach().double().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64)
+            for n, p in model.named_parameters()}
+
+
+def relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0)."""
+    if set(got) != set(ref):
+        raise AssertionError(f"parameter names differ: {sorted(set(got) ^ set(ref))[:6]}")
+    worst = 0.0
+    for name, r in ref.items():
+        err = (got[name].double() - r).norm().item()
+        denom = r.norm().item()
+        worst = max(worst, err / denom if denom > 0 else err)
+    return worst
+
+
+def ratio_to_reference(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """<g, g_ref> / <g_ref, g_ref>: the factor by which g is a multiple of g_ref."""
+    num = sum(float((got[n].double() * r).sum()) for n, r in ref.items())
+    den = sum(float((r * r).sum()) for r in ref.values())
+    return num / den
+
+
+def gather_full(ddp: Any, what: str) -> dict[str, torch.Tensor]:
+    """Unsharded parameters (``what="param"``) or finalized gradients (``"grad"``, the DDP main_grad),
+    keyed by their TP=1/PP=1 names; complete on rank 0, empty elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    offset = ps.get_pipeline_model_parallel_rank() * (LAYERS // ps.get_pipeline_model_parallel_world_size())
+    mine: dict[str, torch.Tensor] = {}
+    for name, p in ddp.module.named_parameters():
+        t = (p.main_grad if what == "grad" else p).detach().float().clone()
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t, group=tp_group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        name = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+        mine[name] = t
+    keep = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, mine if keep else {})
+    merged: dict[str, torch.Tensor] = {}
+    for part in everything:
+        merged.update(part)
+    return merged if dist.get_rank() == 0 else {}
+
+
+def reference_gpt(params: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A TP=1/PP=1 GPTModel in float64 holding ``params`` (call with TP=PP=1 parallel state)."""
+    model = gpt_model(transformer_config(per_token=False))
+    own = dict(model.named_parameters())
+    if set(own) != set(params):
+        raise AssertionError(f"reference parameter names differ: {sorted(set(own) ^ set(params))[:6]}")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(params[name])
+    return model.double()

@@ -1,0 +1,52 @@
+"""Test-only shim: lets megatron-core 0.16.1 run on CPU with gloo (no CUDA, no Transformer Engine).
+
+megatron-core hard-codes CUDA in a few places that a CPU test reaches: the CUDA RNG tracker, grad
+buffers and schedule counters allocated on ``torch.cuda.current_device()``, ``device="cuda"``
+factory calls (the default causal mask), P2P synchronisation. ``install()`` redirects exactly
+those to the CPU. It never changes numerics: every redirected call allocates the same tensor on
+the CPU. Never import this from the ``dsrl`` package; it belongs to tests and the CPU demo only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+_INSTALLED = False
+
+
+def _cpu_device(kwargs: dict[str, Any]) -> dict[str, Any]:
+    dev = kwargs.get("device")
+    if dev is not None and "cuda" in str(dev):
+        kwargs["device"] = "cpu"
+    return kwargs
+
+
+def install() -> None:
+    """Idempotently patch torch.cuda / megatron-core's CUDA-only calls for a CPU-only process."""
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    _INSTALLED = True
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    for name in ("zeros", "empty", "ones", "tensor", "full", "arange", "randn", "rand"):
+        orig = getattr(torch, name)
+
+        def wrapped(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            return _orig(*args, **_cpu_device(kwargs))
+
+        functools.update_wrapper(wrapped, orig)
+        setattr(torch, name, wrapped)
+    cpu_rng = lambda *a, **k: torch.get_rng_state()  # noqa: E731
+    torch.cuda.get_rng_state = cpu_rng  # type: ignore[assignment]
+    torch.cuda.random.get_rng_state = cpu_rng  # type: ignore[assignment]
+    torch.cuda.manual_seed = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
