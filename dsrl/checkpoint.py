@@ -20,12 +20,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 COMPLETE = "COMPLETE"
+# Fault injection (tests): rank 0 kills itself with SIGKILL mid-save of the tag named by this variable.
+FAULT_KILL_ENV = "DSRL_FAULT_KILL_DURING_SAVE"
 LATEST = "latest"
 
 
@@ -124,6 +127,8 @@ def save(
         atomic_torch_save(rank_state, os.path.join(path, f"dsrl_rank{rank}.pt"))
     for name in os.listdir(path):
         _fsync_path(os.path.join(path, name))
+    if rank == 0 and os.environ.get(FAULT_KILL_ENV) == tag:
+        os.kill(os.getpid(), signal.SIGKILL)  # fault injection for tests: die with shards written, uncommitted
     _barrier()
     if rank == 0:
         atomic_write_bytes(os.path.join(path, COMPLETE), tag.encode())

@@ -130,6 +130,11 @@ class RunConfig:
         metadata=doc("'auto' = continue from output_dir's latest complete checkpoint; 'never'; or a path"),
     )
     log_every: int = field(default=1, metadata=doc("print a log line every N rollouts", "rollouts"))
+    stop_after_rollouts: int | None = field(
+        default=None,
+        metadata=doc("end this invocation after N rollouts with a checkpoint (job time limits); the plan, "
+                     "schedule and progress total are unchanged and --resume continues", "rollouts"),
+    )
     progress_bar: bool = field(default=True, metadata=doc("show a tqdm bar over optimizer steps (rank 0)"))
 
 
@@ -390,6 +395,8 @@ def validate_dsrl(cfg: DsrlConfig) -> None:
         raise ConfigError(f"dsrl.run.save_every = {r.save_every} must be >= 0 (0 = only at the end).")
     _positive_int(r.keep_last, "dsrl.run.keep_last", "the number of checkpoints kept")
     _positive_int(r.log_every, "dsrl.run.log_every", "the log interval")
+    if r.stop_after_rollouts is not None:
+        _positive_int(r.stop_after_rollouts, "dsrl.run.stop_after_rollouts", "the rollouts of this invocation")
 
     _positive_int(cfg.rollout.max_new_tokens, "dsrl.rollout.max_new_tokens", "the completion length")
     _positive_int(cfg.rollout.generation_batch_size, "dsrl.rollout.generation_batch_size", "the batch")

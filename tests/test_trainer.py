@@ -1,0 +1,100 @@
+"""The main job on 2 CPU ranks: exact resume (clean stop and kill -9 mid-checkpoint), clip fractions,
+accounting of the progress total, metrics.jsonl; the learning runs live in test_learning.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import launch
+
+ROLLOUTS = 4
+BASE_ARGS = [
+    "launch/train.py", "--ds_config", "configs/tiny_grpo_cpu.json",
+    "--dsrl.run.rollouts", str(ROLLOUTS),
+    "--dsrl.batch.prompts_per_rollout", "8", "--dsrl.batch.samples_per_prompt", "4",
+    "--dsrl.batch.mini_batch_size", "16", "--dsrl.batch.epochs_per_rollout", "2",
+    "--dsrl.run.save_every", "1", "--dsrl.run.keep_last", "3", "--dsrl.run.progress_bar", "false",
+]
+
+
+def _train(out, *extra, env=None, check=True):
+    return launch([*BASE_ARGS, "--dsrl.run.output_dir", str(out), *extra], nprocs=2, timeout=600, env=env,
+                  check=check)
+
+
+def _steps(out) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["event"] == "step"]
+
+
+def _final_weights(out) -> dict[str, torch.Tensor]:
+    ckpt = out / "checkpoints"
+    tag = (ckpt / "latest").read_text().strip()
+    assert tag == f"rollout{ROLLOUTS}" and (ckpt / tag / "COMPLETE").exists()
+    state = torch.load(ckpt / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return state["module"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = _train(out)
+    return out, proc
+
+
+def test_plan_accounting_and_metrics(reference):
+    out, proc = reference
+    steps = _steps(out)
+    # E * R / B = 2 * 32 / 16 = 4 optimizer steps per rollout; the bar total is 16 and 16 were taken.
+    assert [s["optimizer_step"] for s in steps] == list(range(1, 4 * ROLLOUTS + 1))
+    assert "16 steps" in proc.stdout
+    rollouts = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in rollouts if r["event"] == "rollout"]
+    assert [r["rollout"] for r in rollouts] == list(range(1, ROLLOUTS + 1))
+    last = rollouts[-1]
+    assert last["episodes"] == ROLLOUTS * 32 and last["optimizer_step"] == 16
+    for key in ("reward_mean", "reward_std", "accuracy", "response_len", "kl", "entropy", "clip_low_frac",
+                "clip_high_frac", "grad_norm", "lr", "tokens_per_s", "rollout_s", "train_s", "prompt_epochs"):
+        assert key in last, key
+    # The ds_config csv_monitor section is honoured through DeepSpeed's monitor, under the output dir.
+    assert any((out / "monitor").rglob("*.csv")), list(out.rglob("*"))
+
+
+def test_clip_fraction_zero_on_first_mini_batch_only(reference):
+    out, _ = reference
+    steps = _steps(out)
+    per_rollout = [steps[i:i + 4] for i in range(0, len(steps), 4)]
+    for group in per_rollout:
+        first = group[0]
+        assert first["clip_low_frac"] == 0.0 and first["clip_high_frac"] == 0.0, first
+    later = [s["clip_low_frac"] + s["clip_high_frac"] for g in per_rollout for s in g[1:]]
+    assert max(later) > 0.0, later  # later mini-batches are off-policy
+
+
+def test_exact_resume_after_clean_stop(reference, tmp_path):
+    ref_out, _ = reference
+    _train(tmp_path, "--dsrl.run.stop_after_rollouts", "2")
+    assert len(_steps(tmp_path)) == 8
+    _train(tmp_path, "--resume", "auto")
+    got, want = _steps(tmp_path), _steps(ref_out)
+    assert [s["loss"] for s in got] == [s["loss"] for s in want]  # bitwise on CPU
+    a, b = _final_weights(tmp_path), _final_weights(ref_out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kill_during_checkpoint_write_then_resume(reference, tmp_path):
+    ref_out, _ = reference
+    proc = _train(tmp_path, env={"DSRL_FAULT_KILL_DURING_SAVE": "rollout3"}, check=False)
+    assert proc.returncode != 0
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "rollout2"  # the partial rollout3 never became latest
+    assert not (ckpt / "rollout3" / "COMPLETE").exists()
+    _train(tmp_path, "--resume", "auto")
+    # metrics.jsonl of the resumed run appends; the steps after the resume point match the reference.
+    got = {s["optimizer_step"]: s["loss"] for s in _steps(tmp_path)}
+    want = {s["optimizer_step"]: s["loss"] for s in _steps(ref_out)}
+    assert got == want
+    a, b = _final_weights(tmp_path), _final_weights(ref_out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
