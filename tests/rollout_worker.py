@@ -6,8 +6,9 @@ RLEngine and has the ranks generate *different* amounts (rank r: 3 - 2r prompts,
 per rank: whether each engine generation equals the plain module's with the same seed, the number
 of collectives issued inside each generate call, whether the parameters were re-partitioned, and
 whether a training step after generation still works. ``--hooks_probe`` also counts the collectives
-of forwards run with the ZeRO-3 hooks left active inside ``GatheredParameters`` (same work on every
-rank, so it cannot hang), to show why the backend suspends them.
+of one generate call with the ZeRO-3 hooks left active inside ``GatheredParameters`` (same work on
+every rank, so it cannot hang), to show why the backend suspends them; ``--keep_zero3_hooks`` runs
+the uneven rounds with the hooks active (expected to fail: gloo error here, a hang on NCCL).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--arch", default="qwen2")
     parser.add_argument("--hooks_probe", action="store_true")
+    parser.add_argument("--keep_zero3_hooks", action="store_true")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
 
@@ -85,6 +87,10 @@ def main() -> None:
     from dsrl.models import build_model, frozen_copy
     from dsrl.rollout.hf import HFRolloutBackend
 
+    if args.keep_zero3_hooks:
+        import dsrl.rollout.hf as hf_mod
+
+        hf_mod.suspended_zero3_hooks = lambda offload: contextlib.nullcontext()
     ensure_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(ModelConfig(arch=args.arch), VOCAB, PAD, BOS, EOS, on_gpu=False, seed=3)
@@ -108,6 +114,28 @@ def main() -> None:
     z3 = HFRolloutBackend(engine, tok, rollout)
     ref = HFRolloutBackend(plain, tok, rollout)
     report: dict[str, Any] = {"rank": rank, "rounds": []}
+    if args.hooks_probe and args.stage == 3:
+        # Before any training step (the first rollout of a run), identical work on every rank (same prompt,
+        # seed, weights and length limit), so leaving the hooks on cannot hang here: it shows how many
+        # collectives they add.
+        import dsrl.rollout.hf as hf_mod
+
+        probe = {}
+        same = HFRolloutBackend(engine, tok, RolloutConfig(max_new_tokens=12))
+        for label, keep in (("suspended", False), ("hooks_on", True)):
+            saved = hf_mod.suspended_zero3_hooks
+            if keep:
+                hf_mod.suspended_zero3_hooks = lambda offload: contextlib.nullcontext()
+            try:
+                before = counter.calls
+                with counter.counting():
+                    got = same.generate([[BOS, 4, 5]], 2, seed=0)
+                probe[label] = {"collectives": counter.calls - before, "kinds": sorted(set(counter.names[before:])),
+                                "tokens": sum(len(c.completion_ids) for c in got)}
+            finally:
+                hf_mod.suspended_zero3_hooks = saved
+        report["hooks_probe"] = probe
+
     for ps, g, seed in rounds:
         before = counter.calls
         with counter.counting():
@@ -132,21 +160,6 @@ def main() -> None:
     metrics = engine.train_mini_batch([micro], loss_fn)
     report["train_step_applied"] = bool(metrics["step_applied"])
     report["train_loss_finite"] = bool(torch.isfinite(torch.tensor(metrics["loss"])))
-
-    if args.hooks_probe and args.stage == 3:
-        import deepspeed
-
-        x = torch.tensor([[BOS, 4, 5]])
-        per_forward = []
-        with torch.no_grad(), deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            for _ in range(4):
-                before = len(counter.names)
-                with counter.counting():
-                    engine.module(input_ids=x)
-                per_forward.append(counter.names[before:])
-            report["hooks_probe_partitioned_inside"] = sum(p.ds_tensor is not None and p.data.numel() == 0
-                                                          for p in engine.module.parameters())
-        report["hooks_active_collectives"] = per_forward
 
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, report)

@@ -1,0 +1,153 @@
+"""Model building and the hf rollout backend: tiny models are identical on every rank; generate
+returns P*G completions grouped per prompt, cut at the first eos, reproducible from the seed and
+conditioned on left-padded prompts exactly like on unpadded ones; under ZeRO-3 ranks that generate
+different amounts do not hang and match a plain module; vLLM's absence is reported clearly."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from conftest import REPO, launch
+
+from dsrl.config import ModelConfig, RolloutConfig
+from dsrl.models import build_model, frozen_copy
+from dsrl.rollout import Completion, make_backend
+from dsrl.rollout.hf import HFRolloutBackend
+
+PAD, BOS, EOS = 0, 1, 2
+TOK = types.SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
+PROMPTS = [[BOS, 5, 6, 7, 3, 4], [BOS, 4], [BOS, 3, 5, 3]]  # valid for every vocab used here (>= 8)
+
+
+def tiny(arch: str = "qwen2", seed: int = 0, vocab: int = 8, **overrides) -> torch.nn.Module:
+    return build_model(ModelConfig(arch=arch, tiny=overrides), vocab, PAD, BOS, EOS, on_gpu=False, seed=seed)
+
+
+def backend(model: torch.nn.Module, **rollout) -> HFRolloutBackend:
+    return HFRolloutBackend(model, TOK, RolloutConfig(**{"max_new_tokens": 10, **rollout}))
+
+
+def as_tuples(cs: list[Completion]) -> list[tuple]:
+    return [(c.prompt_index, tuple(c.completion_ids), c.finished) for c in cs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_model_identical_for_a_seed(arch):
+    a, b, c = tiny(arch, seed=1, vocab=40), tiny(arch, seed=1, vocab=40), tiny(arch, seed=2, vocab=40)
+    assert type(a).__name__.lower().startswith(arch) and a.training
+    assert a.config.vocab_size == 40 and a.config.num_hidden_layers == 2 and a.config.tie_word_embeddings
+    assert next(a.parameters()).dtype == torch.float32
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
+    state = torch.random.get_rng_state()
+    tiny(arch, num_hidden_layers=1)
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's RNG is untouched
+    assert tiny(arch, num_hidden_layers=1, hidden_size=32).config.hidden_size == 32
+
+
+def test_model_options_and_errors(tmp_path):
+    m = build_model(ModelConfig(gradient_checkpointing=True, attn_implementation="eager"), 16, PAD, BOS, EOS, False)
+    assert m.is_gradient_checkpointing and m.config._attn_implementation == "eager"
+    with pytest.raises(FileNotFoundError, match="model.path"):
+        build_model(ModelConfig(path=str(tmp_path / "missing")), 16, PAD, BOS, EOS, False)
+    with pytest.raises(ValueError, match="model.arch"):
+        build_model(ModelConfig(arch="gpt2"), 16, PAD, BOS, EOS, False)  # type: ignore[arg-type]
+    saved = tmp_path / "ckpt"
+    m.save_pretrained(saved)
+    loaded = build_model(ModelConfig(path=str(saved)), 999, None, None, None, on_gpu=False)
+    assert all(torch.equal(x, y) for x, y in zip(m.state_dict().values(), loaded.state_dict().values()))
+    ref = frozen_copy(m)
+    assert not ref.training and not any(p.requires_grad for p in ref.parameters()) and m.training
+    assert ref.model.embed_tokens.weight.data_ptr() != m.model.embed_tokens.weight.data_ptr()
+
+
+def test_generate_grouping_eos_and_lengths():
+    model = tiny()
+    cs = backend(model, max_new_tokens=8, generation_batch_size=2).generate(PROMPTS, 4, seed=0)
+    assert len(cs) == len(PROMPTS) * 4
+    assert [c.prompt_index for c in cs] == [i for i in range(len(PROMPTS)) for _ in range(4)]
+    for c in cs:
+        assert c.prompt_ids == PROMPTS[c.prompt_index]
+        assert 1 <= len(c.completion_ids) <= 8
+        assert EOS not in c.completion_ids[:-1]  # cut at the first eos
+        assert c.finished == (c.completion_ids[-1] == EOS)
+        if not c.finished:
+            assert len(c.completion_ids) == 8  # truncated only at max_new_tokens, never padded
+    assert {c.finished for c in cs} == {True, False}  # vocab 8: both outcomes occur
+    assert backend(model).generate([], 3, seed=0) == []
+    with pytest.raises(ValueError, match="empty"):
+        backend(model).generate([[]], 1, seed=0)
+
+
+def test_generate_is_reproducible_and_restores_state():
+    model = tiny(vocab=32)
+    be = backend(model, generation_batch_size=2)
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first = be.generate(PROMPTS, 3, seed=7)
+    assert torch.equal(torch.rand(3), expected_next)  # the caller's RNG stream is untouched
+    assert model.training  # train mode restored
+    assert as_tuples(be.generate(PROMPTS, 3, seed=7)) == as_tuples(first)
+    assert as_tuples(be.generate(PROMPTS, 3, seed=8)) != as_tuples(first)
+    model.eval()
+    assert as_tuples(be.generate(PROMPTS, 3, seed=7)) == as_tuples(first) and not model.training
+    # The model's own generation_config (e.g. a checkpoint's sampling defaults) is ignored.
+    model.generation_config.top_k = 1
+    model.generation_config.repetition_penalty = 50.0
+    assert as_tuples(be.generate(PROMPTS, 3, seed=7)) == as_tuples(first)
+    greedy = backend(model, temperature=0.0).generate(PROMPTS, 2, seed=0)
+    assert all(greedy[2 * i].completion_ids == greedy[2 * i + 1].completion_ids for i in range(len(PROMPTS)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_left_padded_generation_matches_unpadded_logprobs(arch):
+    """The log-probs the sampler saw in a left-padded batch equal an unpadded forward of each sequence."""
+    model = tiny(arch, vocab=32)
+    cs = backend(model, generation_batch_size=len(PROMPTS)).generate(PROMPTS, 2, seed=3, return_logprobs=True)
+    model.eval()
+    with torch.no_grad():
+        for c in cs:
+            ids = torch.tensor([c.prompt_ids + c.completion_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
+            target = ids[0, 1:].unsqueeze(-1)
+            unpadded = logp.gather(-1, target).squeeze(-1)[len(c.prompt_ids) - 1:]
+            assert c.logprobs is not None and len(c.logprobs) == len(c.completion_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs), unpadded, atol=1e-5, rtol=0)
+
+
+def test_make_backend_and_vllm_import_error(monkeypatch):
+    model = tiny()
+    assert isinstance(make_backend(RolloutConfig(), model, TOK), HFRolloutBackend)
+    with pytest.raises(ValueError, match="rollout.backend"):
+        make_backend(types.SimpleNamespace(backend="sglang"), model, TOK)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, installed or not
+    with pytest.raises(ImportError, match=r"pip install dsrl\[vllm\]"):
+        make_backend(RolloutConfig(backend="vllm"), model, TOK)
+
+
+def test_zero3_uneven_generation_matches_plain_module(tmp_path):
+    """2 ranks under ZeRO-3: rank 0 generates 3 prompts x 3 samples (12 tokens max), rank 1 one prompt
+    (5 tokens max), then rank 1 none at all; no hang, every generation equals the plain module's,
+    each generate call issues the same fixed collectives (the one parameter gather) on every rank."""
+    out = tmp_path / "report.json"
+    launch(["tests/rollout_worker.py", "--out", str(out), "--hooks_probe"], nprocs=2, timeout=240,
+           env={"PYTHONPATH": str(REPO)})
+    reports = json.loads(out.read_text())
+    assert [r["rank"] for r in reports] == [0, 1]
+    per_call = {rd["collectives"] for r in reports for rd in r["rounds"]}
+    assert len(per_call) == 1 and per_call.pop() > 0  # one gather per call, independent of the work
+    for r in reports:
+        assert all(rd["equal"] and rd["training_mode_restored"] for rd in r["rounds"]), r
+        assert r["partitioned_after"] and r["persistent_params"] == 0
+        assert r["train_step_applied"] and r["train_loss_finite"]
+        probe = r["hooks_probe"]
+        assert probe["suspended"]["collectives"] == r["rounds"][0]["collectives"]
+        assert probe["hooks_on"]["collectives"] > probe["suspended"]["collectives"]  # why hooks are suspended
+    assert reports[0]["rounds"][0]["completions"] == 9 and reports[1]["rounds"][0]["completions"] == 3
+    assert reports[1]["rounds"][1]["completions"] == 0
+    assert reports[0]["rounds"][0]["tokens"] != reports[1]["rounds"][0]["tokens"]
