@@ -82,7 +82,8 @@ class Trainer:
         self._encode = encode_prompts
         tok = self.tokenizer
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu)
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
+                            seed=d.run.seed)
         self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 else None
         self.rl: RLEngine = initialize(model, self.cfg, dataset_size=len(self.prompts))
         self.plan = self.rl.plan
@@ -327,7 +328,7 @@ class Trainer:
         start = self.rollout_index
         while self.rollout_index < plan.rollouts:
             t0 = time.perf_counter()
-            self.rl.engine.eval()
+            self.backend.sync_weights()  # no-op for hf; vLLM reloads the policy (every rank calls it)
             local, stats = self.collect()
             self.compute_old_logprobs(local)
             t1 = time.perf_counter()

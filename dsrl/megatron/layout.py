@@ -1,0 +1,165 @@
+"""Which Megatron ranks own tokens, what the DDP really does to gradients, and construction checks.
+
+:func:`megatron_layout` reads everything from the live megatron-core objects, never assumes it:
+
+- the count group is ``get_data_parallel_group(with_context_parallel=True)``: ranks with the same
+  tensor-parallel shard and pipeline stage. Tensor-parallel peers hold the same tokens and would be
+  counted twice (gradients off by the TP factor); :func:`validate_count_group` refuses any group that
+  spans different (TP rank, PP rank) positions;
+- the DDP's gradient factor f (what a rank's gradient is multiplied by before the sum over DP x CP)
+  comes from its grad buffers: ``gradient_scaling_factor``, divided by ``|DP x CP|`` when
+  ``average_in_collective`` turns the collective into an average;
+- the chosen reduction convention must match the config and the DDP: ``"per_token"`` needs
+  ``calculate_per_token_loss=True`` *and* a DDP built with it (f = 1); ``"average"`` needs the flag off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """The parallel layout seen by one rank, and the DDP's real gradient factor."""
+
+    config: Any  # TransformerConfig of the model chunks
+    count_group: Any  # DP x CP group (tokens are summed over it)
+    count_group_size: int
+    owns_sequences: bool  # CP rank 0 counts sequences; other CP ranks hold shards of the same ones
+    tp_size: int
+    pp_size: int
+    cp_size: int
+    cp_rank: int
+    dp_size: int  # data-parallel replicas (without CP)
+    is_last_stage: bool
+    pp_group: Any
+    pp_last_global_rank: int
+    grad_factor: float  # f: DDP multiplies each rank's gradient by f, then sums over DP x CP
+    description: str
+
+
+def validate_count_group(group: Any) -> None:
+    """Refuse a count group whose members differ in tensor-parallel rank or pipeline stage.
+
+    Such a group counts the same tokens once per TP peer (N_M too large by the TP factor) or mixes
+    stages; one small all-gather, done once at construction.
+    """
+    from megatron.core import parallel_state as ps
+
+    size = dist.get_world_size(group=group)
+    if size == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor([ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()],
+                        dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine, group=group)
+    positions = {tuple(p.tolist()) for p in parts}
+    if len(positions) > 1:
+        raise ValueError(
+            f"the token-count group spans different (tensor-parallel rank, pipeline stage) positions "
+            f"{sorted(positions)}: tensor-parallel peers hold the same tokens and would be counted "
+            f"{ps.get_tensor_model_parallel_world_size()}x. Count over "
+            f"parallel_state.get_data_parallel_group(with_context_parallel=True)."
+        )
+
+
+def ddp_grad_factor(chunk: Any) -> float:
+    """The factor f this DDP chunk applies to a rank's dense gradient before summing over DP x CP."""
+    factors = {float(buf.gradient_scaling_factor) for buf in getattr(chunk, "buffers", [])}
+    if not factors:
+        raise ValueError("the DDP chunk has no dense gradient buffers; nothing to train")
+    if len(factors) > 1:
+        raise ValueError(f"the DDP chunk's dense grad buffers use different scaling factors {sorted(factors)}")
+    f = factors.pop()
+    if chunk.ddp_config.average_in_collective:
+        f /= chunk.dp_cp_group.size()
+    return f
+
+
+def megatron_layout(
+    model: list[Any], convention: str, *, count_group: Any = None, check_count_group: bool = True
+) -> MegatronLayout:
+    """Read and validate the layout; every mismatch is an error naming the flag and the fix."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron parallel state is not initialised: call parallel_state.initialize_model_parallel")
+    for i, chunk in enumerate(model):
+        if not (hasattr(chunk, "finish_grad_sync") and hasattr(chunk, "ddp_config")):
+            raise TypeError(
+                f"model chunk {i} ({type(chunk).__name__}) is not wrapped in megatron.core.distributed."
+                f"DistributedDataParallel; dsrl relies on its grad buffers and finalize_model_grads"
+            )
+    config = get_model_config(model[0])
+    per_token_flag = bool(config.calculate_per_token_loss)
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    factors = {ddp_grad_factor(chunk) for chunk in model}
+    if len(factors) > 1:
+        raise ValueError(f"model chunks were wrapped with different DDP gradient factors {sorted(factors)}")
+    f = factors.pop()
+    dp_cp_size = dist.get_world_size(group=dp_cp)
+    ddp_size = model[0].dp_cp_group.size()
+    if ddp_size != dp_cp_size:
+        raise ValueError(
+            f"the DDP reduces over {ddp_size} ranks but parallel_state's DP x CP group has {dp_cp_size}; "
+            f"wrap the model after initialize_model_parallel with the default process groups"
+        )
+    avg_in_coll = bool(model[0].ddp_config.average_in_collective)
+    if convention == "per_token":
+        if not per_token_flag:
+            raise ValueError(
+                "convention='per_token' needs TransformerConfig.calculate_per_token_loss=True, set before the "
+                "model is wrapped in DistributedDataParallel (or use convention='average')"
+            )
+        if abs(f - 1.0) > 1e-12:
+            why = ("average_in_collective=True averages the reduction" if avg_in_coll
+                   else "the DDP was built while calculate_per_token_loss was still False")
+            raise ValueError(
+                f"calculate_per_token_loss=True but the DDP scales gradients by {f:g} instead of summing them "
+                f"({why}); finalize_model_grads would then divide an average by the token count. Set the flag "
+                f"on the TransformerConfig and average_in_collective=False before wrapping the model in DDP."
+            )
+    elif convention == "average":
+        if per_token_flag:
+            raise ValueError(
+                "convention='average' needs calculate_per_token_loss=False (with it set, finalize_model_grads "
+                "divides by the token count); use convention='per_token' instead"
+            )
+        if f <= 0:
+            raise ValueError(f"the DDP gradient factor {f} is not positive")
+        backend = dist.get_backend(dp_cp)
+        if avg_in_coll and backend == "gloo" and dp_cp_size > 1:
+            raise ValueError("average_in_collective=True needs ReduceOp.AVG, which gloo lacks; set it False on CPU")
+    else:
+        raise ValueError(f"unknown convention {convention!r}")
+    group = dp_cp if count_group is None else count_group
+    if check_count_group:
+        validate_count_group(group)
+    cp_size = ps.get_context_parallel_world_size()
+    cp_rank = ps.get_context_parallel_rank()
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    desc = (f"tp={ps.get_tensor_model_parallel_world_size()} pp={pp_size} cp={cp_size} "
+            f"dp={ps.get_data_parallel_world_size()}; counts over DPxCP ({dp_cp_size} ranks); "
+            f"DDP factor {f:g}{' (average_in_collective)' if avg_in_coll else ''}; convention={convention}")
+    return MegatronLayout(
+        config=config,
+        count_group=group,
+        count_group_size=dist.get_world_size(group=group),
+        owns_sequences=cp_rank == 0,
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_size=pp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        dp_size=ps.get_data_parallel_world_size(),
+        is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        pp_last_global_rank=ps.get_pipeline_model_parallel_last_rank(),
+        grad_factor=f,
+        description=desc,
+    )
