@@ -29,6 +29,9 @@ from dsrl.loss import MODES
 LR = 1024.0  # power of two: lr * g is exact, p_after - p_before is dominated by lr * g
 VOCAB, HIDDEN, MAX_LEN = 32, 16, 12
 SPLITS = ("even", "uneven", "pad_rank", "empty")
+# Accepted by --splits but not run by default: token-budget micro-batches from dsrl.partition.
+EXTRA_SPLITS = ("token_budget",)
+TOKEN_BUDGET = MAX_LEN  # tight budget: several uneven micro-batches per rank
 
 
 class TinyCausalModel(torch.nn.Module):
@@ -113,7 +116,15 @@ def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[li
     with r, cut into micro-batches of sizes 1, 3, 2, 1, ... so micro-batch counts differ per rank.
     pad_rank: like uneven; :func:`prepare_split` masks the last rank's sequences.
     empty: every sequence fully masked (a zero-token mini-batch).
+    token_budget: :func:`dsrl.partition.token_budget_micro_batches` with a budget of
+    ``TOKEN_BUDGET`` padded tokens (rank-balanced, varying sequences per micro-batch).
     """
+    if how == "token_budget":
+        from dsrl.partition import token_budget_micro_batches
+
+        lengths = [s["input_ids"].shape[0] for s in seqs]
+        part = token_budget_micro_batches(range(len(seqs)), lengths, world, TOKEN_BUDGET)
+        return [[seqs[i] for i in mb] for mb in part[rank] if mb]
     bounds = _rank_bounds(len(seqs), world, how)
     mine = seqs[bounds[rank]:bounds[rank + 1]]
     if how in ("even", "empty"):
@@ -245,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ds_config", required=True, help="the run file (ds_config with a dsrl section)")
     parser.add_argument("--zero_stages", default=None, help="comma list overriding the config's stage, e.g. 0,1,2,3")
     parser.add_argument("--loss_agg", default="all", help=f"'all' or one of {', '.join(MODES)}")
-    parser.add_argument("--splits", default=",".join(SPLITS), help=f"comma list of {', '.join(SPLITS)}")
+    parser.add_argument("--splits", default=",".join(SPLITS),
+                        help=f"comma list of {', '.join(SPLITS + EXTRA_SPLITS)} (default: {', '.join(SPLITS)})")
     parser.add_argument("--method", default="dsrl",
                         help="dsrl, naive or both (comma list); naive = per-micro-batch mean, expected to fail "
                              "(it shows the check can fail); only dsrl results count towards the exit code")

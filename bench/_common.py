@@ -1,0 +1,150 @@
+"""Shared helpers of the benchmarks: RL-shaped length distributions, a small causal LM, markdown
+tables, the machine description and appending a dated section to docs/benchmarks.md.
+
+No benchmark asserts on absolute time: each prints ratios measured side by side in one run."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+RESULTS = REPO / "docs" / "benchmarks.md"
+
+
+# -- lengths --------------------------------------------------------------------------------------
+
+
+def rl_lengths(n: int, max_len: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Sequence lengths (prompt + completion) shaped like an RL rollout, capped at ``max_len``.
+
+    lognormal: prompts of 2-12 % of max_len, completions log-normal (median max_len/8, sigma 1);
+    bimodal: 55 % short answers (median max_len/16), 30 % long reasoning (median max_len/2) and
+    15 % truncated exactly at max_len (the tail of overlong completions).
+    """
+    prompt = rng.integers(max(8, max_len // 50), max(9, max_len // 8), n)
+    if kind == "lognormal":
+        completion = np.exp(rng.normal(np.log(max_len / 8), 1.0, n))
+    elif kind == "bimodal":
+        u = rng.random(n)
+        short = np.exp(rng.normal(np.log(max_len / 16), 0.6, n))
+        long = np.exp(rng.normal(np.log(max_len / 2), 0.3, n))
+        completion = np.where(u < 0.55, short, np.where(u < 0.85, long, max_len))
+    else:
+        raise ValueError(f"unknown length distribution {kind!r} (lognormal | bimodal)")
+    return np.clip(prompt + completion, 16, max_len).astype(np.int64)
+
+
+# -- model ------------------------------------------------------------------------------------------
+
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    # CPU-sized shapes; "0.5b" is Qwen2.5-0.5B's shape (random weights, bf16 on GPU).
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=4096),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+}
+
+
+def build_lm(size: str, max_len: int, dtype: Any, seed: int = 0) -> Any:
+    """A randomly initialised transformers Qwen2 causal LM of a named shape (identical on every rank)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**MODEL_SIZES[size], max_position_embeddings=max(max_len, 128), tie_word_embeddings=True,
+                      attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    return model.to(dtype)
+
+
+def per_token_nll(engine: Any, micro: dict) -> Any:
+    """Per-token ``-A * log pi(target)`` ``[b, t]`` of a right-padded micro-batch (no attention mask is
+    needed: with causal attention and right padding no valid position attends to a pad)."""
+    import torch
+
+    logits = engine(input_ids=micro["input_ids"]).logits
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    return -micro["advantages"].unsqueeze(-1) * logp
+
+
+def make_micro(lengths: list[int], pad_to: int | None, vocab: int, seed: int, device: Any) -> dict:
+    """A right-padded micro-batch of random tokens for the given sequence lengths."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    t = pad_to or max(lengths)
+    ids = torch.randint(0, vocab, (len(lengths), t), generator=g)
+    targets = torch.randint(0, vocab, (len(lengths), t), generator=g)
+    mask = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).long()
+    mask[:, :1] = 0  # the first token has no prediction
+    adv = torch.randn(len(lengths), generator=g)
+    return {"input_ids": ids.to(device), "targets": targets.to(device), "loss_mask": mask.to(device),
+            "advantages": adv.to(device)}
+
+
+# -- reporting --------------------------------------------------------------------------------------
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table (also readable in a terminal)."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    width = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, width)) + " |"  # noqa: E731
+    rule = "|" + "|".join("-" * (w + 2) for w in width) + "|"
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def machine() -> str:
+    """One line describing where the numbers were taken."""
+    parts = [platform.platform(), f"{os.cpu_count()} logical CPUs", f"python {platform.python_version()}"]
+    try:
+        import torch
+
+        parts.append(f"torch {torch.__version__}")
+        if torch.cuda.is_available():
+            parts.append(f"GPU {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
+        else:
+            parts.append("no GPU")
+    except ImportError:
+        pass
+    try:
+        import deepspeed
+
+        parts.append(f"deepspeed {deepspeed.__version__}")
+    except ImportError:
+        pass
+    return ", ".join(parts)
+
+
+def record(title: str, command: str, body: str, path: Path = RESULTS) -> None:
+    """Print ``body`` and append it to docs/benchmarks.md as a dated section."""
+    stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    section = f"\n### {title} ({stamp})\n\nCommand: `{command}`  \nMachine: {machine()}\n\n{body.rstrip()}\n"
+    print(section, flush=True)
+    if not path.exists():
+        path.write_text("# Benchmarks\n\n## Recorded results\n", encoding="utf-8")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(section)
+    print(f"(appended to {path.relative_to(REPO)})", flush=True)
+
+
+def command_line() -> str:
+    """The command that ran this benchmark, as the user would type it."""
+    script = os.path.relpath(sys.argv[0], REPO)
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+        env = "DS_ACCELERATOR=cpu " if os.environ.get("DS_ACCELERATOR") == "cpu" else ""
+        return f"{env}deepspeed --num_gpus {os.environ['WORLD_SIZE']} {script} {' '.join(args)}".strip()
+    return f"python {script} {' '.join(sys.argv[1:])}".strip()
