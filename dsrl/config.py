@@ -170,9 +170,10 @@ class DataConfig:
     """Where prompts and rewards come from."""
 
     task: str | None = field(
-        default="reverse", metadata=doc("built-in task (dsrl/tasks): reverse | copy | add; unset if path is set")
+        default=None,
+        metadata=doc("built-in task (dsrl/tasks): reverse | copy | add; unset = reverse when path is unset"),
     )
-    path: str | None = field(default=None, metadata=doc("local prompts file (.jsonl or .parquet)"))
+    path: str | None = field(default=None, metadata=doc("local prompts file (.jsonl, .json or .parquet)"))
     prompt_key: str = field(default="prompt", metadata=doc("column holding the prompt text"))
     answer_key: str = field(default="answer", metadata=doc("column passed to the reward function"))
     reward_fn: str | None = field(
@@ -404,6 +405,8 @@ def validate_dsrl(cfg: DsrlConfig) -> None:
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"dsrl.rollout.temperature = {cfg.rollout.temperature} must be > 0.")
     _positive_int(cfg.data.max_prompt_tokens, "dsrl.data.max_prompt_tokens", "the prompt length")
+    if cfg.data.task is None and cfg.data.path is None:
+        cfg.data.task = "reverse"  # the embedded default: a built-in task, no downloads
 
     a = cfg.algorithm
     for name in ("clip_low", "clip_high"):

@@ -43,7 +43,10 @@ def _free_port() -> int:
 
 
 def ensure_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed; a plain ``python`` run becomes 1 rank."""
+    """Initialise torch.distributed through DeepSpeed; a plain ``python`` run becomes 1 rank.
+
+    ``DSRL_INIT_TIMEOUT_S`` (seconds) bounds the wait for every rank to join the process group.
+    """
     import deepspeed
 
     if dist.is_initialized():
@@ -52,7 +55,14 @@ def ensure_distributed() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    deepspeed.init_distributed(verbose=False)
+    kwargs = {}
+    timeout_s = os.environ.get("DSRL_INIT_TIMEOUT_S")
+    if timeout_s:
+        from datetime import timedelta
+
+        # Fail fast when a node never joins (DeepSpeed's default waits 10 minutes).
+        kwargs["timeout"] = timedelta(seconds=float(timeout_s))
+    deepspeed.init_distributed(verbose=False, **kwargs)
 
 
 def on_gpu() -> bool:

@@ -19,6 +19,7 @@ same plan, so the bar ends exactly at the last step.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -37,6 +38,7 @@ from dsrl.metrics import MetricsWriter
 from dsrl.partition import mini_batches, partition_mini_batch
 
 CHECKPOINT_SUBDIR = "checkpoints"
+log = logging.getLogger("dsrl.trainer")
 
 
 def derived_seed(*parts: int) -> int:
@@ -332,6 +334,9 @@ class Trainer:
             local, stats = self.collect()
             self.compute_old_logprobs(local)
             t1 = time.perf_counter()
+            log.debug("rank %d rollout %d: %d local samples (%d masked), %.0f sampling rounds, %.2fs",
+                      self.rank, self.rollout_index + 1, len(local), sum(not s.active for s in local),
+                      stats["sampling_rounds"], t1 - t0)
             results = self.train_rollout(local, on_step)
             t2 = time.perf_counter()
             self.rollout_index += 1

@@ -8,6 +8,8 @@ Also runs as ``python launch/train.py ...`` (one rank). ``--resume auto|never|DI
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from dsrl.config import ConfigError, parse_override_args
@@ -19,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", default=None, help="auto | never | a checkpoint directory")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args, rest = parser.parse_known_args(argv)
+    # DSRL_LOG_LEVEL (forwarded to every node through .deepspeed_env) sets dsrl's own log level.
+    logging.basicConfig(format="%(asctime)s dsrl rank" + os.environ.get("RANK", "0") + " %(levelname)s %(message)s")
+    logging.getLogger("dsrl").setLevel(os.environ.get("DSRL_LOG_LEVEL", "INFO").upper())
     try:
         overrides = parse_override_args(rest)
         from dsrl.trainer import Trainer

@@ -1,0 +1,26 @@
+"""Advantage estimators and sample filters (GRPO, Dr. GRPO, RLOO, DAPO); pure torch, no distribution."""
+
+from dsrl.algos.advantages import (
+    ESTIMATORS,
+    NORMALIZE_STD_DEFAULT,
+    compute_advantages,
+    group_statistics,
+    valid_rewards,
+)
+from dsrl.algos.defaults import ALGORITHM_DEFAULTS, ResolvedAlgorithm, resolve_algorithm
+from dsrl.algos.filters import overlong_filter_mask, overlong_shaping, truncated, zero_variance_groups
+
+__all__ = [
+    "ALGORITHM_DEFAULTS",
+    "ESTIMATORS",
+    "NORMALIZE_STD_DEFAULT",
+    "ResolvedAlgorithm",
+    "compute_advantages",
+    "group_statistics",
+    "overlong_filter_mask",
+    "overlong_shaping",
+    "resolve_algorithm",
+    "truncated",
+    "valid_rewards",
+    "zero_variance_groups",
+]
