@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from dsrl import checkpoint as ckpt
-from dsrl.config import Config, ConfigError, load_config, resolve_deepspeed_config
+from dsrl.config import Config, ConfigError, load_config
+from dsrl.ds_config import resolve_deepspeed_config
 from dsrl.loss import SEQ_MEAN_TOKEN_SUM_NORM, GlobalCounts, local_counts, masked_sum, token_weights, weighted_sum
 from dsrl.parallel import ParallelView, deepspeed_view
 from dsrl.plan import BatchPlan
@@ -321,6 +322,9 @@ class RLEngine:
 
 
 def _data_parallel_size(cfg: Config, mpu: Any) -> int:
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+        # Ulysses mpu (deepspeed.runtime.sequence_parallel.parallel_state_sp): replicas = |seq_dp| / sp
+        return int(mpu.get_sequence_data_parallel_world_size()) // int(mpu.get_sequence_parallel_world_size())
     if mpu is not None:
         return int(mpu.get_data_parallel_world_size())
     sp = int(cfg.ds_config.get("sequence_parallel_size", 1) or 1)

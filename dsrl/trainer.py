@@ -61,7 +61,7 @@ class Trainer:
     def __init__(self, config: str | dict | Config, overrides: dict[str, Any] | None = None,
                  resume: str | None = None):
         from dsrl.data import PromptSampler, encode_prompts, load_prompts, load_reward_fn
-        from dsrl.models import build_model, frozen_copy
+        from dsrl.models import build_model, frozen_copy, resolve_dtype
         from dsrl.rollout import make_backend
         from dsrl.tokenizer import load_tokenizer
 
@@ -83,6 +83,7 @@ class Trainer:
         self.accuracy_fn = _accuracy_fn(d.data)
         self._encode = encode_prompts
         tok = self.tokenizer
+        _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
                             seed=d.run.seed)
@@ -328,6 +329,9 @@ class Trainer:
 
         summary: dict[str, Any] = {}
         start = self.rollout_index
+        if start >= plan.rollouts and self.rank == 0:
+            print(f"dsrl: {self.output_dir} already holds the finished run ({plan.rollouts} rollouts); nothing to "
+                  "do. Use a new --dsrl.run.output_dir or --resume never to start over.", flush=True)
         while self.rollout_index < plan.rollouts:
             t0 = time.perf_counter()
             self.backend.sync_weights()  # no-op for hf; vLLM reloads the policy (every rank calls it)
@@ -411,6 +415,14 @@ class Trainer:
             "train_s": tot[12] / self.world,
         }
         return rec
+
+
+def _match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) -> None:
+    """A bf16 model trains with DeepSpeed's bf16 mode (fp32 master weights), unless the user said otherwise."""
+    if dtype == torch.bfloat16:
+        bf16 = ds_config.setdefault("bf16", {})
+        if isinstance(bf16, dict) and bf16.get("enabled", "auto") == "auto":
+            bf16["enabled"] = True
 
 
 def _default_monitor_paths(ds_config: dict[str, Any], output_dir: str) -> None:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from dsrl.config import ConfigError, load_config, parse_override_args, resolve_deepspeed_config
+from dsrl.config import ConfigError, load_config, parse_override_args
+from dsrl.ds_config import resolve_deepspeed_config
 from dsrl.plan import BatchPlan
 from dsrl.schedule import schedule_spec
 

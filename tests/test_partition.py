@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from dsrl.balance import balance_ranks
 from dsrl.config import BatchConfig
 from dsrl.partition import (
-    balance_ranks,
     expected_token_budget_stats,
     fixed_micro_batches,
     mini_batches,
