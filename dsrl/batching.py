@@ -83,6 +83,27 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
     return {k: v.to(device) for k, v in out.items()}
 
 
+def collate_packed(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """One padding-free row holding all ``samples`` back to back (``[1, sum of lengths]``).
+
+    ``position_ids`` restart at 0 for every sample and there is no ``attention_mask``: transformers
+    then builds a block-diagonal causal mask (sdpa/eager) or uses varlen kernels (flash attention),
+    so no token attends across samples -- provided the forward runs without a KV cache
+    (``use_cache=False``; with a cache transformers does not look for packed rows). Per-token
+    ``seq_valid_tokens`` and ``num_sequences`` keep the loss weights and counts of :mod:`dsrl.loss`
+    identical to the padded layout.
+    """
+    rows = [collate([s], pad_id, "cpu") for s in samples]
+    cat = {k: torch.cat([r[k][:, : s.length] for r, s in zip(rows, samples)], dim=1)
+           for k in ("input_ids", "targets", "loss_mask", "old_logprobs", "ref_logprobs")}
+    cat["position_ids"] = torch.cat([torch.arange(s.length) for s in samples]).unsqueeze(0)
+    cat["advantages"] = torch.cat([torch.full((s.length,), s.advantage) for s in samples]).unsqueeze(0)
+    n_s = [int(r["loss_mask"].sum()) for r in rows]
+    cat["seq_valid_tokens"] = torch.cat([torch.full((s.length,), n) for s, n in zip(samples, n_s)]).unsqueeze(0)
+    cat["num_sequences"] = torch.tensor([sum(1 for n in n_s if n > 0)])
+    return {k: v.to(device) for k, v in cat.items()}
+
+
 def completion_positions(samples: list[Sample]) -> list[slice]:
     """For each sample, the positions of a collated batch whose targets are its completion tokens."""
     return [slice(s.prompt_len - 1, len(s.tokens) - 1) for s in samples]

@@ -159,7 +159,9 @@ class ModelConfig:
     gradient_checkpointing: bool = field(default=False, metadata=doc("activation checkpointing"))
     packing: bool = field(
         default=False,
-        metadata=doc("pack micro-batches padding-free with position_ids (flash-attention varlen on GPU)"),
+        metadata=doc("padding-free micro-batches: sequences packed into one row, position_ids restarting per "
+                     "sequence and no attention mask (transformers builds the block-diagonal mask on sdpa/eager, "
+                     "varlen kernels on flash attention); the token budget then counts real tokens only"),
     )
 
 

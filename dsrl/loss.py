@@ -45,14 +45,21 @@ def valid_mask(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_valid_tokens(micro: dict) -> torch.Tensor:
-    """n_s per sequence of a micro-batch, ``[b]``.
+    """n_s per sequence of a micro-batch, ``[b]`` -- or per token, ``[b, t]``, for packed rows.
 
     Uses ``micro["seq_valid_tokens"]`` when present: under sequence/context parallelism a rank
-    holds only a shard of each sequence, and n_s must be the *whole* sequence's count.
+    holds only a shard of each sequence, and n_s must be the *whole* sequence's count; a packed row
+    (several sequences in one row, see :func:`dsrl.batching.collate_packed`) carries each token's
+    own sequence count ``[b, t]``.
     """
     if "seq_valid_tokens" in micro:
         return micro["seq_valid_tokens"].to(torch.float64)
     return valid_mask(micro["loss_mask"]).sum(-1, dtype=torch.float64)
+
+
+def _per_token(n_s: torch.Tensor) -> torch.Tensor:
+    """n_s broadcast to tokens: ``[b]`` (one sequence per row) -> ``[b, 1]``; ``[b, t]`` (packed) as is."""
+    return n_s.unsqueeze(-1) if n_s.dim() == 1 else n_s
 
 
 def local_counts(micro: dict, owns_sequences: bool = True) -> tuple[int, int]:
@@ -63,7 +70,12 @@ def local_counts(micro: dict, owns_sequences: bool = True) -> tuple[int, int]:
     sequence is counted exactly once.
     """
     tokens = int(valid_mask(micro["loss_mask"]).sum())
-    seqs = int((sequence_valid_tokens(micro) > 0).sum()) if owns_sequences else 0
+    if not owns_sequences:
+        seqs = 0
+    elif "num_sequences" in micro:  # packed rows: the collator counted the non-empty sequences
+        seqs = int(micro["num_sequences"].sum())
+    else:
+        seqs = int((sequence_valid_tokens(micro) > 0).sum())
     return tokens, seqs
 
 
@@ -81,8 +93,8 @@ def token_weights(
     if mode == TOKEN_MEAN:
         return w / max(counts.tokens, 1)
     if mode == SEQ_MEAN_TOKEN_MEAN:
-        n_s = sequence_valid_tokens(micro).clamp(min=1).to(w.device)
-        return w / n_s.unsqueeze(-1) / max(counts.sequences, 1)
+        n_s = _per_token(sequence_valid_tokens(micro)).clamp(min=1).to(w.device)
+        return w / n_s / max(counts.sequences, 1)
     if mode == SEQ_MEAN_TOKEN_SUM:
         return w / max(counts.sequences, 1)
     if mode == SEQ_MEAN_TOKEN_SUM_NORM:

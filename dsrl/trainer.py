@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl import algos
-from dsrl.batching import Sample, chunks, collate, completion_positions
+from dsrl.batching import Sample, chunks, collate, collate_packed, completion_positions
 from dsrl.config import Config, load_config
 from dsrl.engine import RLEngine, ensure_distributed, initialize, on_gpu
 from dsrl.loss import clipped_policy_loss, kl_estimate, token_entropy, token_logprobs
@@ -234,7 +234,8 @@ class Trainer:
 
     @staticmethod
     def _forward(model, micro):
-        out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+        # Packed rows have no attention_mask: transformers derives the block-diagonal mask from position_ids.
+        out = model(input_ids=micro["input_ids"], attention_mask=micro.get("attention_mask"),
                     position_ids=micro["position_ids"], use_cache=False)
         return out.logits
 
@@ -292,9 +293,11 @@ class Trainer:
         seed = derived_seed(self.d.run.seed, self.rollout_index, 0xB47C4)
         for mb in mini_batches(len(rollout), self.plan.mini_batch_size, self.plan.epochs_per_rollout, seed=seed,
                                shuffle=self.d.batch.shuffle):
-            per_rank = partition_mini_batch(mb, lengths, self.plan.data_parallel_size, self.d.batch)
+            packed = self.d.model.packing
+            per_rank = partition_mini_batch(mb, lengths, self.plan.data_parallel_size, self.d.batch, packed=packed)
             mine = per_rank[self.rank]
-            micros = [collate([rollout[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
+            make = collate_packed if packed else collate
+            micros = [make([rollout[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
             t0 = time.perf_counter()
             res = self.rl.train_mini_batch(micros, self.loss_fn)
             res["step_s"] = time.perf_counter() - t0
