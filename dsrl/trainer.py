@@ -92,7 +92,7 @@ class Trainer:
         self.plan = self.rl.plan
         self.device = self.rl.device
         if self.ref_model is not None:
-            self.ref_model.to(self.device)
+            self.ref_model = _reference_engine(self.ref_model, self.rl, self.device)
         self.backend = make_backend(d.rollout, self.rl.engine, tok)
         self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
                                      last_rollout=d.run.last_rollout)
@@ -418,6 +418,29 @@ class Trainer:
             "train_s": tot[12] / self.world,
         }
         return rec
+
+
+def _reference_engine(ref: torch.nn.Module, rl: RLEngine, device: Any) -> Any:
+    """The frozen KL reference: partitioned like the policy under ZeRO-3, else a plain module copy.
+
+    Under ZeRO-3 a full copy on every rank would defeat the point of ZeRO-3, so the reference is
+    wrapped in an optimizer-less DeepSpeed engine (parameters sharded, gathered per forward). Every
+    rank then runs the same number of reference forwards, which holds because every rank scores the
+    same number of log-prob micro-batches per rollout.
+    """
+    if rl.zero_stage != 3:
+        return ref.to(device)
+    import deepspeed
+
+    ds = rl.engine.config if isinstance(getattr(rl.engine, "config", None), dict) else {}
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                           "steps_per_print": 1 << 30}
+    for key in ("bf16", "fp16"):
+        if isinstance(ds.get(key), dict):
+            cfg[key] = {"enabled": bool(ds[key].get("enabled", False))}
+    engine, *_ = deepspeed.initialize(model=ref, config=cfg)
+    engine.eval()
+    return engine
 
 
 def _match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) -> None:

@@ -100,11 +100,14 @@ def test_megatron_tp2_dp2_exact(tmp_path):
     _check_exact(res["cases"], "tp2dp2", 8)
 
 
-def test_train_megatron_example_pp2():
-    proc = torchrun("launch/train_megatron.py", 2, ["--pp", "2", "--convention", "average",
-                                                    "--loss_agg", "seq-mean-token-mean"])
+@pytest.mark.parametrize("layout,args", [
+    ("pp=2", ["--pp", "2", "--convention", "average", "--loss_agg", "seq-mean-token-mean"]),
+    ("tp=2", ["--tp", "2"]),
+])
+def test_train_megatron_example(layout, args):
+    proc = torchrun("launch/train_megatron.py", 2, args)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[dsrl]")]
-    assert "pp=2" in lines[0] and lines[-1].startswith("[dsrl] done: 4 optimizer steps, 0 skipped"), proc.stdout
+    assert layout in lines[0] and lines[-1].startswith("[dsrl] done: 4 optimizer steps, 0 skipped"), proc.stdout
 
 
 # -- in-process --------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import launch
+from conftest import REPO, launch
 
 ROLLOUTS = 4
 BASE_ARGS = [
@@ -98,3 +98,20 @@ def test_kill_during_checkpoint_write_then_resume(reference, tmp_path):
     assert got == want
     a, b = _final_weights(tmp_path), _final_weights(ref_out)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_zero3_kl_reference_is_partitioned_and_starts_at_zero(tmp_path):
+    """KL against a frozen reference under ZeRO-3 (the reference is a sharded, optimizer-less engine)."""
+    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw["zero_optimization"] = {"stage": 3}
+    raw["scheduler"]["params"]["warmup_num_steps"] = 1  # 2 rollouts x 2 steps
+    (tmp_path / "run.json").write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    launch(["launch/train.py", "--ds_config", str(tmp_path / "run.json"), "--dsrl.run.rollouts", "2",
+            "--dsrl.algorithm.kl_coef", "0.05", "--dsrl.algorithm.kl_estimator", "k3",
+            "--dsrl.run.output_dir", str(out), "--dsrl.run.progress_bar", "false",
+            "--dsrl.run.save_final", "false"], nprocs=2, timeout=600)
+    steps = _steps(out)
+    assert len(steps) == 4
+    assert abs(steps[0]["kl"]) < 1e-6  # the policy equals the reference before the first update
+    assert all(s["kl"] >= 0 for s in steps) and steps[-1]["kl"] > 0
