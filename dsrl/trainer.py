@@ -155,8 +155,11 @@ class Trainer:
         G = self.plan.samples_per_prompt
         records = [self.prompts[i] for i in indices]
         prompt_ids = self._encode(self.tokenizer, [r["prompt"] for r in records], d.data.max_prompt_tokens,
-                                  d.data.chat_template)
+                                  d.data.chat_template) if records else []
+        # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
         completions = self.backend.generate(prompt_ids, G, seed=seed)
+        if not completions:
+            return []
         texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
         prompts_rep = [records[c.prompt_index]["prompt"] for c in completions]
         answers_rep = [records[c.prompt_index].get("answer") for c in completions]

@@ -115,3 +115,60 @@ def test_zero3_kl_reference_is_partitioned_and_starts_at_zero(tmp_path):
     assert len(steps) == 4
     assert abs(steps[0]["kl"]) < 1e-6  # the policy equals the reference before the first update
     assert all(s["kl"] >= 0 for s in steps) and steps[-1]["kl"] > 0
+
+
+def test_plain_python_local_model_dir_jsonl_prompts_and_dotted_reward(tmp_path):
+    """Real use on one rank with plain ``python``: a local HF model directory (and its tokenizer),
+    prompts from a local jsonl through `datasets`, a reward function given by path, run.epochs."""
+    import subprocess
+    import sys
+
+    from dsrl.config import ModelConfig
+    from dsrl.models import build_model
+    from dsrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ModelConfig())
+    model = build_model(ModelConfig(arch="llama"), vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=False)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw.pop("scheduler")
+    raw["dsrl"]["batch"].update(prompts_per_rollout=4, samples_per_prompt=2, mini_batch_size=4)
+    raw["dsrl"]["run"] = {"epochs": 1, "output_dir": str(tmp_path / "out"), "progress_bar": False}
+    raw["dsrl"]["model"] = {"path": str(model_dir)}
+    raw["dsrl"]["data"] = {"path": str(REPO / "tests" / "data" / "prompts.jsonl"), "prompt_key": "question",
+                           "answer_key": "solution", "reward_fn": "tests/data/reward_fixture.py:length_per_sample"}
+    (tmp_path / "run.json").write_text(json.dumps(raw))
+    n_prompts = len((REPO / "tests" / "data" / "prompts.jsonl").read_text().splitlines())
+    proc = subprocess.run([sys.executable, "launch/train.py", "--ds_config", str(tmp_path / "run.json")], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
+                                                                            "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in rows if r["event"] == "rollout"]
+    assert len(rollouts) == n_prompts // 4  # run.epochs = 1, last_rollout = drop
+    assert rollouts[-1]["prompt_epochs"] == (n_prompts // 4) * 4 / n_prompts
+    assert 0 < rollouts[0]["reward_mean"] <= 1 and rollouts[0]["accuracy"] is None  # file prompts: no accuracy
+
+
+def test_dapo_dynamic_sampling_two_ranks_zero3(tmp_path):
+    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw["zero_optimization"] = {"stage": 3}
+    raw["scheduler"]["params"]["warmup_num_steps"] = 1
+    (tmp_path / "run.json").write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    launch(["launch/train.py", "--ds_config", str(tmp_path / "run.json"), "--dsrl.run.rollouts", "3",
+            "--dsrl.algorithm.name", "dapo", "--dsrl.algorithm.overlong_buffer", "2",
+            "--dsrl.algorithm.max_sampling_rounds", "3", "--dsrl.run.output_dir", str(out),
+            # exact-match reward: a random policy gets 0 almost everywhere, so most groups have zero variance
+            # and dynamic sampling runs all its rounds (ranks with nothing left to generate join the gathers)
+            "--dsrl.data.reward_fn", "tests/data/reward_fixture.py:exact_batched",
+            "--dsrl.run.progress_bar", "false", "--dsrl.run.save_final", "false"], nprocs=2, timeout=600)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in rows if r["event"] == "rollout"]
+    assert [r["optimizer_step"] for r in rollouts] == [2, 4, 6]
+    assert all(r["sampling_rounds"] == 3 for r in rollouts)  # refilled up to max_sampling_rounds
+    assert all(r["zero_variance_groups"] > 0.3 for r in rollouts)  # overlong shaping leaves a few varied groups
+    assert all(r["episodes"] == 64 * r["rollout"] for r in rollouts)
