@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from dsrl import algos
 from dsrl.batching import Sample, chunks, collate, collate_packed, completion_positions
-from dsrl.config import Config, load_config
+from dsrl.config import Config, ConfigError, load_config
 from dsrl.engine import RLEngine, ensure_distributed, initialize, on_gpu
 from dsrl.loss import clipped_policy_loss, kl_estimate, token_entropy, token_logprobs
 from dsrl.metrics import MetricsWriter
@@ -117,7 +117,8 @@ class Trainer:
         load_dir = self.ckpt_dir if mode == "auto" else mode
         if not os.path.isdir(load_dir):
             if mode != "auto":
-                raise FileNotFoundError(f"dsrl.run.resume = {mode!r}: no such checkpoint directory")
+                raise ConfigError(f"dsrl.run.resume = {mode!r}: no such checkpoint directory. Fix: point it at "
+                                  f"a run's checkpoints/ directory, or use 'auto' or 'never'.")
             return False
         tag, client, rank_state = self.rl.load_checkpoint(load_dir)
         if tag is None:
