@@ -15,15 +15,16 @@ from dsrl.plan import BatchPlan
 
 
 def _dataset_size(cfg: Config, given: int | None) -> int | None:
+    """--dataset_size, else the configured prompts' count (built-in task size or rows of the file)."""
     if given is not None:
         return given
-    if cfg.dsrl.run.epochs is None:
-        return None
     try:
         from dsrl.data import dataset_size
 
         return dataset_size(cfg.dsrl.data)
     except (ImportError, OSError, ValueError):
+        if cfg.dsrl.run.epochs is not None:
+            raise  # run.epochs needs the size: the data error (naming its field) is the useful one
         return None
 
 
