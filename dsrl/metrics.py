@@ -36,14 +36,33 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
     """Append-only metrics sink; a no-op on ranks other than 0."""
 
-    def __init__(self, output_dir: str, rank: int, monitor: Any = None, resume: bool = False):
+    def __init__(self, output_dir: str, rank: int, monitor: Any = None, resume_at: tuple[int, int] | None = None):
+        """``resume_at = (rollout, optimizer_step)`` of the checkpoint a run resumed from: rows written
+        after it (by the attempt that crashed or stopped) are dropped, so the file reads as one run."""
         self.rank = rank
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self._file = None
         if rank == 0:
             os.makedirs(output_dir, exist_ok=True)
-            self._file = open(self.path, "a" if resume else "w", encoding="utf-8")  # noqa: SIM115
+            if resume_at is not None and os.path.isfile(self.path):
+                self._truncate(*resume_at)
+            self._file = open(self.path, "a" if resume_at is not None else "w", encoding="utf-8")  # noqa: SIM115
+
+    def _truncate(self, rollout: int, step: int) -> None:
+        keep = []
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by the crash
+                if row.get("rollout", 0) <= rollout and row.get("optimizer_step", 0) <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.path)
 
     def write(self, event: str, record: dict[str, Any], step: int) -> None:
         if self._file is None:

@@ -107,7 +107,7 @@ class Trainer:
         self.prompts_drawn = 0
         resumed = self._maybe_resume()
         self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
-                                     resume=resumed)
+                                     resume_at=(self.rollout_index, self.rl.optimizer_steps) if resumed else None)
 
     # -- resume ---------------------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
