@@ -10,6 +10,7 @@ combinations step-owned accumulation cannot run (overlap_comm on ZeRO-0/1, the p
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from dsrl.config import DEFAULT_GRADIENT_CLIPPING, DS_BATCH_KEYS, Config, ConfigError
@@ -110,6 +111,13 @@ def resolve_deepspeed_config(
         if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
             # DeepSpeed would JIT-build CPUAdam; the torch implementation is exact and builds nothing.
             opt.setdefault("params", {}).setdefault("torch_adam", True)
+
+    for section in ("tensorboard", "csv_monitor"):
+        # An enabled monitor without a path writes under the run's output directory, not the cwd.
+        sec = ds.get(section)
+        if isinstance(sec, dict) and sec.get("enabled") and sec.get("output_path") in (None, "", "auto"):
+            sec["output_path"] = os.path.join(cfg.dsrl.run.output_dir, "monitor", "")
+            sec.setdefault("job_name", section)
 
     for section in _AUTO_DROPPING_SECTIONS:
         if isinstance(ds.get(section), dict):

@@ -76,7 +76,6 @@ class Trainer:
         torch.manual_seed(d.run.seed)  # identical initial weights on every rank
         random.seed(derived_seed(d.run.seed, self.rank))
 
-        _default_monitor_paths(self.cfg.ds_config, d.run.output_dir)
         self.tokenizer = load_tokenizer(d.model)
         self.prompts = load_prompts(d.data, seed=d.run.seed)
         self.reward_fn = load_reward_fn(d.data)
@@ -453,15 +452,6 @@ def _match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) ->
         bf16 = ds_config.setdefault("bf16", {})
         if isinstance(bf16, dict) and bf16.get("enabled", "auto") == "auto":
             bf16["enabled"] = True
-
-
-def _default_monitor_paths(ds_config: dict[str, Any], output_dir: str) -> None:
-    """Enabled tensorboard/csv_monitor sections without an output_path write under the run's output dir."""
-    for section in ("tensorboard", "csv_monitor"):
-        sec = ds_config.get(section)
-        if isinstance(sec, dict) and sec.get("enabled") and sec.get("output_path") in (None, "", "auto"):
-            sec["output_path"] = os.path.join(output_dir, "monitor", "")
-            sec.setdefault("job_name", section)
 
 
 def _accuracy_fn(data_cfg):
