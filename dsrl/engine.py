@@ -28,7 +28,16 @@ import torch.distributed as dist
 from dsrl import checkpoint as ckpt
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.ds_config import resolve_deepspeed_config
-from dsrl.loss import SEQ_MEAN_TOKEN_SUM_NORM, GlobalCounts, local_counts, masked_sum, token_weights, weighted_sum
+from dsrl.loss import (
+    SEQ_MEAN_TOKEN_SUM_NORM,
+    GlobalCounts,
+    check_micro_batch,
+    local_counts,
+    masked_sum,
+    token_weights,
+    weighted_sum,
+    zero_weight_micro_batch,
+)
 from dsrl.parallel import ParallelView, deepspeed_view
 from dsrl.plan import BatchPlan
 from dsrl.schedule import PlannedScheduler, schedule_spec
@@ -72,15 +81,6 @@ def on_gpu() -> bool:
     return get_accelerator().device_name() != "cpu"
 
 
-def zero_weight_copy(micro: MicroBatch) -> dict[str, Any]:
-    """A one-sequence copy of ``micro`` whose loss mask is all zero (weight 0, same graph)."""
-    out = {k: (v[:1] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in micro.items()}
-    out["loss_mask"] = torch.zeros_like(out["loss_mask"])
-    if "seq_valid_tokens" in out:
-        out["seq_valid_tokens"] = torch.zeros_like(out["seq_valid_tokens"])
-    return out
-
-
 class RLEngine:
     """A DeepSpeedEngine whose optimizer step, normalisation and LR schedule dsrl owns."""
 
@@ -115,19 +115,6 @@ class RLEngine:
     def zero_stage(self) -> int:
         return self.engine.zero_optimization_stage()
 
-    def _check_micro(self, micro: MicroBatch, i: int) -> None:
-        if not isinstance(micro, Mapping) or "loss_mask" not in micro:
-            raise TypeError(
-                f"micro-batch {i} must be a mapping of tensors with a 'loss_mask' [b, t] entry "
-                f"(1 = token counted); got {type(micro).__name__} with keys "
-                f"{list(micro)[:8] if isinstance(micro, Mapping) else '-'}"
-            )
-        mask = micro["loss_mask"]
-        if not torch.is_tensor(mask) or mask.dim() != 2:
-            raise TypeError(
-                f"micro-batch {i}: loss_mask must be a 2-D tensor [b, t], got {getattr(mask, 'shape', mask)!r}"
-            )
-
     def _gather_stats(self, values: list[float]) -> torch.Tensor:
         """All-gather a small float64 vector over the token-owning group -> [group_size, len]."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -151,14 +138,14 @@ class RLEngine:
                 "this rank got no micro-batch while others did, and no earlier micro-batch can serve as a "
                 "zero-weight filler; give every rank at least one micro-batch (dsrl.partition does)"
             )
-        filler = zero_weight_copy(template)
+        filler = zero_weight_micro_batch(template, one_row=True)
         return [filler] * (n_max - len(micros))
 
     def global_counts(self, micro_batches: Sequence[MicroBatch]) -> tuple[GlobalCounts, int]:
         """(N_M, S_M) of the whole mini-batch and the largest per-rank micro-batch count (1 collective)."""
         tok = seq = 0
         for i, mb in enumerate(micro_batches):
-            self._check_micro(mb, i)
+            check_micro_batch(mb, i)
             t, s = local_counts(mb, self.view.owns_sequences)
             tok, seq = tok + t, seq + s
         stats = self._gather_stats([tok, seq, len(micro_batches)])

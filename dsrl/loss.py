@@ -20,7 +20,9 @@ Nothing here knows about DeepSpeed, Megatron or torch.distributed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,6 +79,35 @@ def local_counts(micro: dict, owns_sequences: bool = True) -> tuple[int, int]:
     else:
         seqs = int((sequence_valid_tokens(micro) > 0).sum())
     return tokens, seqs
+
+
+def check_micro_batch(micro: Any, i: int) -> None:
+    """A micro-batch is a mapping holding a 2-D ``loss_mask`` [b, t]; anything else is a TypeError."""
+    if not isinstance(micro, Mapping) or "loss_mask" not in micro:
+        raise TypeError(
+            f"micro-batch {i} must be a mapping of tensors with a 'loss_mask' [b, t] entry "
+            f"(1 = token counted); got {type(micro).__name__} with keys "
+            f"{list(micro)[:8] if isinstance(micro, Mapping) else '-'}"
+        )
+    mask = micro["loss_mask"]
+    if not torch.is_tensor(mask) or mask.dim() != 2:
+        raise TypeError(
+            f"micro-batch {i}: loss_mask must be a 2-D tensor [b, t], got {getattr(mask, 'shape', mask)!r}"
+        )
+
+
+def zero_weight_micro_batch(micro: Mapping[str, Any], one_row: bool = False) -> dict[str, Any]:
+    """A copy of ``micro`` whose every token weighs 0 and that counts no token or sequence.
+
+    It runs the same forward/backward graph (so collectives inside it match) and contributes an
+    exactly zero gradient. ``one_row`` keeps only the first row (cheapest; DeepSpeed fillers);
+    without it the shapes stay equal (Megatron pipeline P2P needs that).
+    """
+    out = {k: (v[:1] if one_row and torch.is_tensor(v) and v.dim() > 0 else v) for k, v in micro.items()}
+    for key in ("loss_mask", "seq_valid_tokens", "num_sequences"):
+        if key in out:
+            out[key] = torch.zeros_like(out[key])
+    return out
 
 
 def token_weights(

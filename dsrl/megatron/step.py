@@ -41,7 +41,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl.loss import MODES, GlobalCounts, local_counts, masked_sum, token_weights, valid_mask, weighted_sum
+from dsrl.loss import (
+    MODES,
+    GlobalCounts,
+    check_micro_batch,
+    local_counts,
+    masked_sum,
+    token_weights,
+    valid_mask,
+    weighted_sum,
+    zero_weight_micro_batch,
+)
 from dsrl.megatron.cp import shard_for_context_parallel
 from dsrl.megatron.layout import MegatronLayout, megatron_layout
 from dsrl.megatron.sched import OPTIMIZER_STEPS, SchedulerDriver
@@ -95,19 +105,7 @@ class FinalizeOnce:
 
 def zero_weight_filler(micro: MicroBatch) -> dict[str, Any]:
     """A same-shape copy of ``micro`` with an all-zero loss mask (pipeline P2P shapes stay equal)."""
-    out = dict(micro)
-    out["loss_mask"] = torch.zeros_like(micro["loss_mask"])
-    if "seq_valid_tokens" in out:
-        out["seq_valid_tokens"] = torch.zeros_like(out["seq_valid_tokens"])
-    return out
-
-
-def _check_micro(micro: Any, i: int) -> None:
-    if not isinstance(micro, Mapping) or "loss_mask" not in micro:
-        raise TypeError(f"micro-batch {i} must be a mapping of tensors with a 'loss_mask' [b, t] entry")
-    mask = micro["loss_mask"]
-    if not torch.is_tensor(mask) or mask.dim() != 2:
-        raise TypeError(f"micro-batch {i}: loss_mask must be a 2-D tensor [b, t], got {getattr(mask, 'shape', mask)}")
+    return zero_weight_micro_batch(micro, one_row=False)
 
 
 class MegatronRLStep:
@@ -190,7 +188,7 @@ class MegatronRLStep:
         tok = seq = samples = 0
         own = self.layout.owns_sequences
         for i, mb in enumerate(micro_batches):
-            _check_micro(mb, i)
+            check_micro_batch(mb, i)
             t, s = local_counts(mb, own)
             tok, seq = tok + t, seq + s
             samples += int(mb["loss_mask"].shape[0]) if own else 0
