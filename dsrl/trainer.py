@@ -4,10 +4,10 @@ One rollout, on every rank:
 
 1. the prompt sampler (identical on all ranks) draws P prompts; rank r generates G completions for
    its P/D of them (whole groups stay on one rank, so group statistics need no communication);
-2. rewards (plus the optional KL-in-reward and DAPO overlong shaping), filters (DAPO dynamic
-   sampling refills zero-variance groups; overlong filtering masks truncated samples; a non-finite
-   reward masks its sample), and group advantages;
-3. old (and reference) log-probs, once per rollout, before any update, for the local samples;
+2. rewards (plus DAPO overlong shaping) and filters (DAPO dynamic sampling refills zero-variance
+   groups; overlong filtering masks truncated samples; a non-finite reward masks its sample);
+3. old (and reference) log-probs, once per rollout, before any update, for the local samples (with
+   ``kl_in = "reward"`` the KL penalty lands on the rewards here), then group advantages;
 4. the samples of all ranks are all-gathered; for each of E epochs the rollout is reshuffled into
    R/B mini-batches (the same permutation on every rank), each partitioned across ranks and into
    micro-batches (fixed size or token budget) by :mod:`dsrl.partition`; every mini-batch is one
@@ -188,7 +188,8 @@ class Trainer:
                 s.active = False
 
     def collect(self) -> tuple[list[Sample], dict[str, float]]:
-        """This rank's P/D prompt groups of G samples, with advantages (dynamic sampling included)."""
+        """This rank's P/D prompt groups of G samples with shaped rewards (dynamic sampling included);
+        advantages come later, after a KL-in-reward penalty (see :meth:`run`)."""
         mine, per = self._draw()
         rounds, kept, spare = 0, [], []
         stats = {"groups_generated": 0.0, "groups_zero_variance": 0.0}
@@ -200,8 +201,7 @@ class Trainer:
             for g in groups:
                 self._shape_rewards(g)
                 stats["groups_generated"] += 1
-                rewards = torch.tensor([s.reward for s in g if s.active], dtype=torch.float64)
-                flat = rewards.numel() > 0 and bool((rewards == rewards[0]).all())
+                flat = bool(algos.zero_variance_groups(self._masked_rewards(g), len(g))[0])
                 stats["groups_zero_variance"] += float(flat)
                 (spare if (self.dynamic_sampling and flat) else kept).append(g)
             if not self.dynamic_sampling:
@@ -214,14 +214,16 @@ class Trainer:
             take = more[:max(need, 0)]
         kept = (kept + spare)[:per]  # after the last round, zero-variance groups fill any gap
         stats["sampling_rounds"] = float(rounds)
-        samples = [s for g in kept for s in g]
-        self._advantages(samples)
-        return samples, stats
+        return [s for g in kept for s in g], stats
+
+    @staticmethod
+    def _masked_rewards(samples: list[Sample]) -> torch.Tensor:
+        """Rewards with masked samples as NaN: dsrl.algos leaves them out of every group statistic."""
+        return torch.tensor([s.reward if s.active else float("nan") for s in samples], dtype=torch.float64)
 
     def _advantages(self, samples: list[Sample]) -> None:
         a, G = self.d.algorithm, self.plan.samples_per_prompt
-        rewards = torch.tensor([s.reward if s.active else float("nan") for s in samples], dtype=torch.float64)
-        adv = algos.compute_advantages(a.name, rewards, G, normalize_std=self.algo.normalize_std)
+        adv = algos.compute_advantages(a.name, self._masked_rewards(samples), G, normalize_std=self.algo.normalize_std)
         for s, v in zip(samples, adv.tolist()):
             s.advantage = v if (s.active and math.isfinite(v)) else 0.0
 
@@ -243,15 +245,16 @@ class Trainer:
         return out.logits
 
     def compute_old_logprobs(self, samples: list[Sample]) -> None:
-        """Old (and reference) log-probs of every local sample, once per rollout, before any update."""
+        """Old (and reference) log-probs of every local sample, once per rollout, before any update;
+        with ``kl_in = "reward"`` the reward is penalised by the summed k1 KL here."""
         groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
         micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
-        outs = self.rl.forward_no_grad(micros, self._logprob_fn(self._forward))
+        fn = self._logprob_fn(self._forward)
+        outs = self.rl.forward_no_grad(micros, fn)
         for g, lp in zip(groups, outs):
             for s, row, sl in zip(g, lp, completion_positions(g)):
                 s.old_logprobs = row[sl].tolist()
         if self.ref_model is not None:
-            fn = self._logprob_fn(self._forward)
             with torch.no_grad():
                 for g, micro in zip(groups, micros):
                     lp = fn(self.ref_model, micro)
@@ -262,7 +265,6 @@ class Trainer:
                 for s in samples:
                     kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1").sum().item()
                     s.reward -= coef * kl
-                self._advantages(samples)
 
     # -- training -------------------------------------------------------------------------------
     def loss_fn(self, engine, micro):
@@ -343,6 +345,7 @@ class Trainer:
             self.backend.sync_weights()  # no-op for hf; vLLM reloads the policy (every rank calls it)
             local, stats = self.collect()
             self.compute_old_logprobs(local)
+            self._advantages(local)
             t1 = time.perf_counter()
             log.debug("rank %d rollout %d: %d local samples (%d masked), %.0f sampling rounds, %.2fs",
                       self.rank, self.rollout_index + 1, len(local), sum(not s.active for s in local),
