@@ -148,3 +148,23 @@ def command_line() -> str:
         env = "DS_ACCELERATOR=cpu " if os.environ.get("DS_ACCELERATOR") == "cpu" else ""
         return f"{env}deepspeed --num_gpus {os.environ['WORLD_SIZE']} {script} {' '.join(args)}".strip()
     return f"python {script} {' '.join(sys.argv[1:])}".strip()
+
+
+def report(title: str, body: str, dry_run: bool = False) -> None:
+    """Print ``body`` (``--no-record``) or append it to docs/benchmarks.md with the command that ran."""
+    if dry_run:
+        print(body)
+    else:
+        record(title, command_line(), body)
+
+
+def init_ranks() -> tuple[int, int, bool, Any]:
+    """Initialise torch.distributed through dsrl; (rank, world size, on a GPU, training dtype)."""
+    import torch
+    import torch.distributed as dist
+
+    from dsrl.engine import ensure_distributed, on_gpu
+
+    ensure_distributed()
+    gpu = on_gpu()
+    return dist.get_rank(), dist.get_world_size(), gpu, torch.bfloat16 if gpu else torch.float32

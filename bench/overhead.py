@@ -21,7 +21,7 @@ import copy
 import time
 
 import numpy as np
-from _common import build_lm, command_line, make_micro, per_token_nll, record, rl_lengths, table
+from _common import build_lm, init_ranks, make_micro, per_token_nll, report, rl_lengths, table
 
 STEP_TARGET = 1.02
 
@@ -43,12 +43,8 @@ def main() -> None:
     import torch.distributed as dist
 
     import dsrl
-    from dsrl.engine import ensure_distributed, on_gpu
 
-    ensure_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gpu = on_gpu()
-    dtype = torch.bfloat16 if gpu else torch.float32
+    rank, world, gpu, dtype = init_ranks()
     m, n_micro = args.device_batch, args.micro_batches
     B = m * n_micro * world
     base = {
@@ -125,10 +121,7 @@ def main() -> None:
                "median ratio dsrl/raw", "IQR", "<= 1.02"]
     body = ("Same model, weights and micro-batches; methods interleaved (order flipped each repetition). "
             "ms = median step time.\n\n" + table(headers, rows))
-    if args.no_record:
-        print(body)
-    else:
-        record("Step overhead vs raw DeepSpeed (bench/overhead.py)", command_line(), body)
+    report("Step overhead vs raw DeepSpeed (bench/overhead.py)", body, dry_run=args.no_record)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import itertools
 import time
 
 import numpy as np
-from _common import command_line, record, rl_lengths, table
+from _common import report, rl_lengths, table
 
 from dsrl.partition import fixed_micro_batches, partition_stats, token_budget_micro_batches
 
@@ -100,10 +100,7 @@ def main() -> None:
         "cost x/c = max rank load of x over that of (c). Targets for (c): padding <= 3 % and "
         f"load <= 1.05 in every draw: met in {met}/{len(grid)} rows.\n\n" + table(headers, rows)
     )
-    if args.no_record:
-        print(body)
-    else:
-        record("Padding and rank balance (bench/padding.py)", command_line(), body)
+    report("Padding and rank balance (bench/padding.py)", body, dry_run=args.no_record)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import argparse
 import time
 
 import numpy as np
-from _common import command_line, record, rl_lengths, table
+from _common import report, rl_lengths, table
 
 from dsrl.partition import partition_stats, token_budget_micro_batches
 
@@ -70,10 +70,7 @@ def main() -> None:
                "pad sort-deal", "load dsrl", "load sort-deal", "mb/step dsrl", "mb/step sort-deal", "< 1 s"]
     body = (f"Median of {args.reps} runs per row; log-normal lengths, budget T = 2 x max len. 'sort-deal' is the "
             "baseline described in bench/planner.py. Target: dsrl < 1 s at 65,536 x 1,024.\n\n" + table(headers, rows))
-    if args.no_record:
-        print(body)
-    else:
-        record("Planner time (bench/planner.py)", command_line(), body)
+    report("Planner time (bench/planner.py)", body, dry_run=args.no_record)
 
 
 if __name__ == "__main__":

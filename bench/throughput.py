@@ -22,7 +22,7 @@ import argparse
 import time
 
 import numpy as np
-from _common import build_lm, command_line, make_micro, per_token_nll, record, rl_lengths, table
+from _common import build_lm, init_ranks, make_micro, per_token_nll, report, rl_lengths, table
 
 from dsrl.partition import fixed_micro_batches, token_budget_micro_batches
 
@@ -45,12 +45,8 @@ def main() -> None:
     import torch.distributed as dist
 
     import dsrl
-    from dsrl.engine import ensure_distributed, on_gpu
 
-    ensure_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gpu = on_gpu()
-    dtype = torch.bfloat16 if gpu else torch.float32
+    rank, world, gpu, dtype = init_ranks()
     max_len = args.max_len or (4096 if gpu else 512)
     B = args.mini_batch or (64 * world if gpu else 16 * world)
     T = args.budget_factor * max_len
@@ -127,10 +123,7 @@ def main() -> None:
     body = ("Valid (unpadded) tokens per second, median over steps; methods interleaved step by step on the same "
             f"mini-batches. (a) fixed m={m} padded to the mini-batch's longest, (b) fixed m={m} padded per "
             "micro-batch, (c) dsrl token budget T with rank balancing.\n\n" + table(headers, [row + ratios]))
-    if args.no_record:
-        print(body)
-    else:
-        record("Training throughput (bench/throughput.py)", command_line(), body)
+    report("Training throughput (bench/throughput.py)", body, dry_run=args.no_record)
 
 
 if __name__ == "__main__":
