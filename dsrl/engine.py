@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl import checkpoint as ckpt
+from dsrl import cpu_shm
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.ds_config import resolve_deepspeed_config
 from dsrl.loss import (
@@ -55,11 +56,14 @@ def _free_port() -> int:
 def ensure_distributed() -> None:
     """Initialise torch.distributed through DeepSpeed; a plain ``python`` run becomes 1 rank.
 
-    ``DSRL_INIT_TIMEOUT_S`` (seconds) bounds the wait for every rank to join the process group.
+    ``DSRL_INIT_TIMEOUT_S`` (seconds) bounds the wait for every rank to join the process group. On the
+    CPU accelerator the shared-memory all-reduce segments DeepSpeed creates are checked for room
+    before and unlinked after (:mod:`dsrl.cpu_shm`), so no job leaks ``/dev/shm``.
     """
     import deepspeed
 
     if dist.is_initialized():
+        cpu_shm.release_segments()
         return
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
@@ -72,7 +76,10 @@ def ensure_distributed() -> None:
 
         # Fail fast when a node never joins (DeepSpeed's default waits 10 minutes).
         kwargs["timeout"] = timedelta(seconds=float(timeout_s))
+    if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_SIZE"):
+        cpu_shm.check_room(int(os.environ.get("LOCAL_SIZE", "1")))
     deepspeed.init_distributed(verbose=False, **kwargs)
+    cpu_shm.release_segments()
 
 
 def on_gpu() -> bool:
@@ -347,6 +354,7 @@ def initialize(
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu
     )
+    cpu_shm.release_segments()  # in case the communication backend was first built just now
     view = deepspeed_view(engine)
     if view.data_parallel_size != plan.data_parallel_size:
         raise ConfigError(

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dsrl import cpu_shm
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -24,15 +26,25 @@ def free_port() -> int:
 
 
 def launch(args: list[str], nprocs: int, timeout: float = 600, env: dict | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N ARGS...` from the repo root; a hang fails after ``timeout`` seconds."""
+           check: bool = True, port: int | None = None, sweep_shm: bool = True) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N ARGS...` from the repo root; a hang fails after ``timeout`` seconds.
+
+    Afterwards any DeepSpeed CPU shm segment of the job's port is removed (dsrl unlinks its own;
+    this covers workers that never reach dsrl), unless ``sweep_shm`` is False.
+    """
+    port = port or free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs),
-           "--master_port", str(free_port()), *args]
+           "--master_port", str(port), *args]
     # Workers import this checkout's dsrl (and tests/ helpers) whatever is installed.
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath,
                 **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        if sweep_shm:
+            for path in cpu_shm.job_segments(port):
+                os.unlink(path)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
