@@ -31,15 +31,14 @@ def _cpu_accelerator() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
-def segment_path(rank: int, env: dict[str, str] | None = None) -> str:
-    """The name DeepSpeed's shm op gives rank ``rank``'s segment for the job described by ``env``."""
-    env = os.environ if env is None else env
-    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+def segment_path(rank: int) -> str:
+    """The name DeepSpeed's shm op gives rank ``rank``'s segment of this job (MASTER_ADDR/PORT)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}")
 
 
-def job_segments(port: int | str) -> list[str]:
-    """Every segment left in ``/dev/shm`` by this user's jobs on master port ``port``."""
+def job_segments(port: int | str = "*") -> list[str]:
+    """Every segment in ``/dev/shm`` of this user's jobs on master port ``port`` (default: any)."""
     return sorted(glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}_{os.getuid()}_*_{port}_*")))
 
 
@@ -56,7 +55,7 @@ def check_room(local_ranks: int) -> None:
     need = local_ranks * SEGMENT_BYTES
     if free >= need:
         return
-    stale = glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}_{os.getuid()}_*"))
+    stale = job_segments()
     raise RuntimeError(
         f"{SHM_DIR} has {free / 2**20:.0f} MiB free, but DeepSpeed's CPU shared-memory all-reduce needs about "
         f"{need / 2**20:.0f} MiB for {local_ranks} local rank(s). {len(stale)} segment(s) named "

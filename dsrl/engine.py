@@ -54,7 +54,8 @@ def _free_port() -> int:
 
 
 def ensure_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed; a plain ``python`` run becomes 1 rank.
+    """Initialise torch.distributed and DeepSpeed's communication backend; a plain ``python`` run
+    becomes 1 rank.
 
     ``DSRL_INIT_TIMEOUT_S`` (seconds) bounds the wait for every rank to join the process group. On the
     CPU accelerator the shared-memory all-reduce segments DeepSpeed creates are checked for room
@@ -62,22 +63,22 @@ def ensure_distributed() -> None:
     """
     import deepspeed
 
-    if dist.is_initialized():
-        cpu_shm.release_segments()
-        return
-    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     kwargs = {}
-    timeout_s = os.environ.get("DSRL_INIT_TIMEOUT_S")
-    if timeout_s:
-        from datetime import timedelta
+    if not dist.is_initialized():
+        if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        timeout_s = os.environ.get("DSRL_INIT_TIMEOUT_S")
+        if timeout_s:
+            from datetime import timedelta
 
-        # Fail fast when a node never joins (DeepSpeed's default waits 10 minutes).
-        kwargs["timeout"] = timedelta(seconds=float(timeout_s))
-    if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_SIZE"):
-        cpu_shm.check_room(int(os.environ.get("LOCAL_SIZE", "1")))
+            # Fail fast when a node never joins (DeepSpeed's default waits 10 minutes).
+            kwargs["timeout"] = timedelta(seconds=float(timeout_s))
+        if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_SIZE"):
+            cpu_shm.check_room(int(os.environ.get("LOCAL_SIZE", "1")))
+    # Over a process group the caller started, this only builds DeepSpeed's backend (and its shm
+    # segments), as deepspeed.initialize would later; either way they are released right here.
     deepspeed.init_distributed(verbose=False, **kwargs)
     cpu_shm.release_segments()
 
@@ -354,7 +355,6 @@ def initialize(
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu
     )
-    cpu_shm.release_segments()  # in case the communication backend was first built just now
     view = deepspeed_view(engine)
     if view.data_parallel_size != plan.data_parallel_size:
         raise ConfigError(
