@@ -43,10 +43,10 @@ TOL = {"fp32": 1e-5, "bf16": 3e-2, "cp2": 3e-2}
 
 def setup(dry: bool) -> torch.device:
     if dry:
-        sys.path.insert(0, os.path.join(REPO, "tests"))
-        import megatron_shim  # test-only CPU shim
+        sys.path.insert(0, os.path.join(REPO, "launch"))
+        import megatron_cpu_shim  # CPU-only shim for a dry run
 
-        megatron_shim.install()
+        megatron_cpu_shim.install()
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                  ("MASTER_PORT", "29577")):
         os.environ.setdefault(k, v)

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 launch/train_megatron.py --tp 2
     torchrun --nproc_per_node 2 launch/train_megatron.py --pp 2 --convention average --loss_agg seq-mean-token-mean
 
-Runs on GPUs (NCCL) or, without CUDA, on CPU with gloo through the test-only shim in tests/ (the
+Runs on GPUs (NCCL) or, without CUDA, on CPU with gloo through the CPU shim beside it, launch/megatron_cpu_shim.py (the
 dsrl package itself never patches megatron-core). Each rollout is synthetic: random prompts and
 completions of random length, random rewards, GRPO group-normalised advantages, on-policy (the old
 log-probs are the current ones, detached). The loop is Megatron's own: build the model, wrap it in
@@ -50,10 +50,10 @@ def setup_distributed() -> bool:
     """NCCL on GPUs, gloo + the test shim on CPU. Returns whether CUDA is used."""
     cuda = torch.cuda.is_available()
     if not cuda:
-        sys.path.insert(0, os.path.join(REPO, "tests"))
-        import megatron_shim  # test-only CPU shim, never part of the package
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import megatron_cpu_shim  # CPU-demo shim beside this example, never part of the package
 
-        megatron_shim.install()
+        megatron_cpu_shim.install()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     if cuda:

@@ -1,4 +1,10 @@
-"""Shared test helpers: launch real multi-process DeepSpeed jobs on the CPU accelerator (gloo)."""
+"""Shared test helpers: launch real multi-process DeepSpeed jobs on the CPU accelerator (gloo).
+
+Two tiers (README: ``pytest tests`` runs both):
+- ``tests/unit``: pure Python and single-process tests, run while editing (``pytest tests/unit``);
+- ``tests/distributed``: real multi-process DeepSpeed / Megatron / pdsh jobs, each launching a script from
+  ``tests/workers`` (or ``launch/``, ``dsrl.check``) and checking what it wrote.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from dsrl import cpu_shm
+REPO = Path(__file__).resolve().parents[1]
+# This checkout's dsrl, whatever is installed (an editable install may point at another checkout).
+sys.path.insert(0, str(REPO))
+
+from dsrl import cpu_shm  # noqa: E402
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ from dsrl.plan import BatchPlan
 from dsrl.tasks import TASKS, get_task, partial_match_reward
 from dsrl.tokenizer import TINY_TOKENIZER_PATH, load_tokenizer
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 JSONL = str(DATA / "prompts.jsonl")
 PARQUET = str(DATA / "prompts.parquet")
 FIXTURE = str(DATA / "reward_fixture.py")

@@ -13,7 +13,7 @@ from conftest import launch
 
 def test_ulysses_sp2_exact_on_zero2_and_zero3(tmp_path):
     out = tmp_path / "sp.json"
-    launch(["tests/sp_worker.py", "--out", str(out)], nprocs=2, timeout=600)
+    launch(["tests/workers/sp_worker.py", "--out", str(out)], nprocs=2, timeout=600)
     results = json.loads(out.read_text())
     assert len(results) == 6
     for r in results:

@@ -12,7 +12,7 @@ from dsrl import cpu_shm
 
 def _run(mode: str) -> tuple[int, list[str]]:
     port = free_port()
-    proc = launch(["tests/shm_worker.py", "--mode", mode], nprocs=2, timeout=300, check=False, port=port,
+    proc = launch(["tests/workers/shm_worker.py", "--mode", mode], nprocs=2, timeout=300, check=False, port=port,
                   sweep_shm=False)
     left = cpu_shm.job_segments(port)
     for path in left:  # the control's leak must not pile up across runs

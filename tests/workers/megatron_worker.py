@@ -1,7 +1,7 @@
 """Multi-process worker for the Megatron tests (CPU, gloo, with the test-only CUDA shim).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/megatron_worker.py --suite main --out r.json
-    python -m torch.distributed.run --nproc_per_node 4 tests/megatron_worker.py --suite tp2dp2 --out r.json
+    python -m torch.distributed.run --nproc_per_node 2 tests/workers/megatron_worker.py --suite main --out r.json
+    python -m torch.distributed.run --nproc_per_node 4 tests/workers/megatron_worker.py --suite tp2dp2 --out r.json
 
 Every case runs dsrl's real Megatron step (one forward_backward_func call, DDP, finalize, optimizer,
 scheduler), gathers the finalized gradient into one unsharded state on rank 0, and compares it with
@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import megatron_shim  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "launch"))
+import megatron_cpu_shim  # noqa: E402
 
-megatron_shim.install()
+megatron_cpu_shim.install()
 
 import megatron_common as mc  # noqa: E402
 from megatron_cp import run_cp_suite  # noqa: E402

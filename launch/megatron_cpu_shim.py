@@ -1,10 +1,12 @@
-"""Test-only shim: lets megatron-core 0.16.1 run on CPU with gloo (no CUDA, no Transformer Engine).
+"""CPU-only shim: lets megatron-core 0.16.1 run on CPU with gloo (no CUDA, no Transformer Engine).
+
+Used by the CPU demo of launch/train_megatron.py and by the tests.
 
 megatron-core hard-codes CUDA in a few places that a CPU test reaches: the CUDA RNG tracker, grad
 buffers and schedule counters allocated on ``torch.cuda.current_device()``, ``device="cuda"``
 factory calls (the default causal mask), P2P synchronisation. ``install()`` redirects exactly
 those to the CPU. It never changes numerics: every redirected call allocates the same tensor on
-the CPU. Never import this from the ``dsrl`` package; it belongs to tests and the CPU demo only.
+the CPU. Never import this from the ``dsrl`` package: it is for running the example and the tests without a GPU.
 """
 
 from __future__ import annotations
