@@ -88,3 +88,51 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _token_mean(results: list[dict[str, Any]], key: str) -> float:
+    """The token-weighted mean of a per-step metric over a rollout's steps (NaN when absent)."""
+    vals = [(r[key], r["tokens"]) for r in results if key in r]
+    w = sum(t for _, t in vals)
+    return sum(v * t for v, t in vals) / w if w else float("nan")
+
+
+def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rollout: int, optimizer_step: int,
+                   rollout_size: int, prompt_epochs: float, sampling_rounds: int,
+                   local_train_s: float) -> dict[str, Any]:
+    """The ``rollout`` row of metrics.jsonl from the rollout's summed :class:`dsrl.experience.RolloutStats`
+    (already reduced over ranks) and its optimizer steps' results."""
+    n = stats.finite_rewards
+    mean = stats.reward_sum / n if n else float("nan")
+    std = math.sqrt(max(stats.reward_sq_sum / n - mean * mean, 0.0)) if n else float("nan")
+    tokens = sum(r["tokens"] for r in results)
+    applied = [r for r in results if r["step_applied"]]
+    samples = stats.samples
+    clip_low, clip_high = _token_mean(results, "clip_low_frac"), _token_mean(results, "clip_high_frac")
+    return {
+        "rollout": rollout,
+        "optimizer_step": optimizer_step,
+        "episodes": rollout * rollout_size,
+        "prompt_epochs": prompt_epochs,
+        "reward_mean": mean,
+        "reward_std": std,
+        "accuracy": stats.accuracy_sum / stats.scored_accuracy if stats.scored_accuracy else None,
+        "response_len": stats.completion_tokens / samples if samples else 0.0,
+        "masked_samples": stats.masked_samples,
+        "truncated_frac": stats.truncated_samples / samples if samples else 0.0,
+        "zero_variance_groups": stats.groups_zero_variance / stats.groups_generated if stats.groups_generated else 0.0,
+        "sampling_rounds": float(sampling_rounds),
+        "loss": sum(r["loss"] for r in results) / len(results) if results else float("nan"),
+        "kl": _token_mean(results, "kl"),
+        "entropy": _token_mean(results, "entropy"),
+        "clip_low_frac": clip_low,
+        "clip_high_frac": clip_high,
+        "clip_frac": clip_low + clip_high,
+        "grad_norm": sum(r["grad_norm"] for r in applied) / len(applied) if applied else float("nan"),
+        "lr": results[-1]["lr"] if results else float("nan"),
+        "skipped_steps": len(results) - len(applied),
+        "train_tokens": tokens,
+        "tokens_per_s": tokens / local_train_s if local_train_s > 0 else 0.0,
+        "rollout_s": stats.rollout_s / world,
+        "train_s": stats.train_s / world,
+    }

@@ -2,27 +2,26 @@
 
 One rollout, on every rank:
 
-1. the prompt sampler (identical on all ranks) draws P prompts; rank r generates G completions for
-   its P/D of them (whole groups stay on one rank, so group statistics need no communication);
-2. rewards (plus DAPO overlong shaping) and filters (DAPO dynamic sampling refills zero-variance
-   groups; overlong filtering masks truncated samples; a non-finite reward masks its sample);
-3. old (and reference) log-probs, once per rollout, before any update, for the local samples (with
-   ``kl_in = "reward"`` the KL penalty lands on the rewards here), then group advantages;
-4. the samples of all ranks are all-gathered; for each of E epochs the rollout is reshuffled into
-   R/B mini-batches (the same permutation on every rank), each partitioned across ranks and into
+1. :class:`dsrl.experience.ExperienceMaker` draws P prompts (the same on every rank); each
+   data-parallel replica generates all G completions of its P/D prompts, scores them, applies the
+   algorithm's filters, computes old (and reference) log-probs once, then group advantages;
+2. the samples of all ranks are all-gathered; for each of E epochs the rollout is reshuffled into
+   R/B mini-batches (the same permutation on every rank), each partitioned across replicas and into
    micro-batches (fixed size or token budget) by :mod:`dsrl.partition`; every mini-batch is one
    ``RLEngine.train_mini_batch`` call, i.e. one optimizer step.
 
 The progress bar's total is the plan's total optimizer steps and every loop bound comes from the
-same plan, so the bar ends exactly at the last step.
+same plan, so the bar ends exactly at the last step. Progress messages go through ``logging``
+(logger ``dsrl``, rank 0), redirected through tqdm while the bar is shown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -30,29 +29,18 @@ import torch
 import torch.distributed as dist
 
 from dsrl import algos
-from dsrl.batching import Sample, chunks, collate, collate_packed, completion_positions
+from dsrl.batching import Sample, collate, collate_packed
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.engine import RLEngine, ensure_distributed, initialize, on_gpu
+from dsrl.experience import ExperienceMaker, derived_seed, forward_logits
 from dsrl.loss import clipped_policy_loss, kl_estimate, token_entropy, token_logprobs
-from dsrl.metrics import MetricsWriter
+from dsrl.metrics import MetricsWriter, rollout_record
 from dsrl.partition import mini_batches, partition_mini_batch
 
 CHECKPOINT_SUBDIR = "checkpoints"
 log = logging.getLogger("dsrl.trainer")
-
-
-def derived_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (run seed, rollout, round, global rank...), stable across runs."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = (h ^ (int(p) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & 0x7FFFFFFFFFFFFFFF
-    return h
-
-
-def _all_reduce(values: list[float], op: Any = None, device: Any = "cpu") -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t.tolist()
+STEP_METRICS = ("loss", "grad_norm", "lr", "tokens", "sequences", "micro_batches", "step_applied",
+                "clip_low_frac", "clip_high_frac", "kl", "entropy", "step_s")
 
 
 class Trainer:
@@ -60,7 +48,7 @@ class Trainer:
 
     def __init__(self, config: str | dict | Config, overrides: dict[str, Any] | None = None,
                  resume: str | None = None):
-        from dsrl.data import PromptSampler, encode_prompts, load_prompts, load_reward_fn
+        from dsrl.data import PromptSampler, encode_prompts, load_accuracy_fn, load_prompts, load_reward_fn
         from dsrl.models import build_model, frozen_copy, resolve_dtype
         from dsrl.rollout import make_backend
         from dsrl.tokenizer import load_tokenizer
@@ -79,8 +67,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(d.model)
         self.prompts = load_prompts(d.data, seed=d.run.seed)
         self.reward_fn = load_reward_fn(d.data)
-        self.accuracy_fn = _accuracy_fn(d.data)
-        self._encode = encode_prompts
+        self.accuracy_fn = load_accuracy_fn(d.data)
+        self.encode = encode_prompts
         tok = self.tokenizer
         _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
@@ -90,6 +78,7 @@ class Trainer:
         self.rl: RLEngine = initialize(model, self.cfg, dataset_size=len(self.prompts))
         self.plan = self.rl.plan
         self.device = self.rl.device
+        self.replica = self.rl.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
         if self.ref_model is not None:
             self.ref_model = _reference_engine(self.ref_model, self.rl, self.device)
         self.backend = make_backend(d.rollout, self.rl.engine, tok)
@@ -97,13 +86,12 @@ class Trainer:
                                      last_rollout=d.run.last_rollout)
         self.pad_id = tok.pad_token_id
         self.algo = algos.resolve_algorithm(d.algorithm)
-        self.clip_high = self.algo.clip_high
-        self.dynamic_sampling = self.algo.dynamic_sampling
         self.output_dir = d.run.output_dir
         self.ckpt_dir = os.path.join(self.output_dir, CHECKPOINT_SUBDIR)
         self.rollout_index = 0
         self.calls = 0  # mini-batches trained (applied or skipped)
         self.prompts_drawn = 0
+        self.experience = ExperienceMaker(self)
         resumed = self._maybe_resume()
         self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
                                      resume_at=(self.rollout_index, self.rl.optimizer_steps) if resumed else None)
@@ -130,8 +118,8 @@ class Trainer:
             torch.set_rng_state(rank_state["torch_rng"])
             random.setstate(rank_state["python_rng"])
         if self.rank == 0:
-            print(f"dsrl: resumed from {os.path.join(load_dir, tag)} at rollout {self.rollout_index}, "
-                  f"optimizer step {self.rl.optimizer_steps}", flush=True)
+            log.info("resumed from %s at rollout %d, optimizer step %d", os.path.join(load_dir, tag),
+                     self.rollout_index, self.rl.optimizer_steps)
         return True
 
     def save(self) -> None:
@@ -142,137 +130,13 @@ class Trainer:
         self.rl.save_checkpoint(self.ckpt_dir, tag, client_state=client, rank_state=rank_state,
                                 keep_last=self.d.run.keep_last)
 
-    # -- rollout --------------------------------------------------------------------------------
-    def _draw(self) -> tuple[list[int], int]:
-        """The next P prompt indices (same on every rank) and this rank's slice start."""
-        idx = self.sampler.next_indices()
-        self.prompts_drawn += len(idx)
-        per = self.plan.prompts_per_rank
-        return idx[self.rank * per:(self.rank + 1) * per], per
-
-    def _generate_groups(self, indices: list[int], seed: int) -> list[list[Sample]]:
-        d = self.d
-        G = self.plan.samples_per_prompt
-        records = [self.prompts[i] for i in indices]
-        prompt_ids = self._encode(self.tokenizer, [r["prompt"] for r in records], d.data.max_prompt_tokens,
-                                  d.data.chat_template) if records else []
-        # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
-        completions = self.backend.generate(prompt_ids, G, seed=seed)
-        if not completions:
-            return []
-        texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
-        prompts_rep = [records[c.prompt_index]["prompt"] for c in completions]
-        answers_rep = [records[c.prompt_index].get("answer") for c in completions]
-        rewards = [float(r) for r in self.reward_fn(prompts_rep, texts, answers_rep)]
-        accs = self.accuracy_fn(prompts_rep, texts, answers_rep) if self.accuracy_fn else [None] * len(texts)
-        groups: list[list[Sample]] = [[] for _ in indices]
-        for c, r, acc in zip(completions, rewards, accs):
-            groups[c.prompt_index].append(Sample(
-                tokens=list(c.prompt_ids) + list(c.completion_ids), prompt_len=len(c.prompt_ids),
-                group=indices[c.prompt_index], reward=r, finished=bool(c.finished), accuracy=acc))
-        return groups
-
-    def _shape_rewards(self, samples: list[Sample]) -> None:
-        """DAPO overlong shaping and filtering; non-finite rewards mask their sample."""
-        a = self.d.algorithm
-        if a.overlong_buffer > 0:
-            lengths = torch.tensor([s.completion_len for s in samples], dtype=torch.float64)
-            pen = algos.overlong_shaping(lengths, self.d.rollout.max_new_tokens, a.overlong_buffer,
-                                         a.overlong_penalty)
-            for s, p in zip(samples, pen.tolist()):
-                s.reward += p
-        for s in samples:
-            if a.overlong_filter and not s.finished:
-                s.active = False
-            if not math.isfinite(s.reward):
-                s.active = False
-
-    def collect(self) -> tuple[list[Sample], dict[str, float]]:
-        """This rank's P/D prompt groups of G samples with shaped rewards (dynamic sampling included);
-        advantages come later, after a KL-in-reward penalty (see :meth:`run`)."""
-        mine, per = self._draw()
-        rounds, kept, spare = 0, [], []
-        stats = {"groups_generated": 0.0, "groups_zero_variance": 0.0}
-        take = mine
-        while True:
-            seed = derived_seed(self.d.run.seed, self.rollout_index, rounds, self.rank)
-            groups = self._generate_groups(take, seed)
-            rounds += 1
-            for g in groups:
-                self._shape_rewards(g)
-                stats["groups_generated"] += 1
-                flat = bool(algos.zero_variance_groups(self._masked_rewards(g), len(g))[0])
-                stats["groups_zero_variance"] += float(flat)
-                (spare if (self.dynamic_sampling and flat) else kept).append(g)
-            if not self.dynamic_sampling:
-                break
-            need = per - len(kept)
-            global_need = _all_reduce([max(need, 0)], dist.ReduceOp.MAX, self.device)[0]
-            if global_need <= 0 or rounds >= self.d.algorithm.max_sampling_rounds:
-                break
-            more, _ = self._draw()
-            take = more[:max(need, 0)]
-        kept = (kept + spare)[:per]  # after the last round, zero-variance groups fill any gap
-        stats["sampling_rounds"] = float(rounds)
-        return [s for g in kept for s in g], stats
-
-    @staticmethod
-    def _masked_rewards(samples: list[Sample]) -> torch.Tensor:
-        """Rewards with masked samples as NaN: dsrl.algos leaves them out of every group statistic."""
-        return torch.tensor([s.reward if s.active else float("nan") for s in samples], dtype=torch.float64)
-
-    def _advantages(self, samples: list[Sample]) -> None:
-        a, G = self.d.algorithm, self.plan.samples_per_prompt
-        adv = algos.compute_advantages(a.name, self._masked_rewards(samples), G, normalize_std=self.algo.normalize_std)
-        for s, v in zip(samples, adv.tolist()):
-            s.advantage = v if (s.active and math.isfinite(v)) else 0.0
-
-    # -- log-probs ------------------------------------------------------------------------------
-    def _logprob_fn(self, module_call):
-        temp = self.d.rollout.temperature
-
-        def fn(model, micro):
-            logits = module_call(model, micro)
-            return token_logprobs(logits, micro["targets"], temp).float().cpu()
-
-        return fn
-
-    @staticmethod
-    def _forward(model, micro):
-        # Packed rows have no attention_mask: transformers derives the block-diagonal mask from position_ids.
-        out = model(input_ids=micro["input_ids"], attention_mask=micro.get("attention_mask"),
-                    position_ids=micro["position_ids"], use_cache=False)
-        return out.logits
-
-    def compute_old_logprobs(self, samples: list[Sample]) -> None:
-        """Old (and reference) log-probs of every local sample, once per rollout, before any update;
-        with ``kl_in = "reward"`` the reward is penalised by the summed k1 KL here."""
-        groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
-        micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
-        fn = self._logprob_fn(self._forward)
-        outs = self.rl.forward_no_grad(micros, fn)
-        for g, lp in zip(groups, outs):
-            for s, row, sl in zip(g, lp, completion_positions(g)):
-                s.old_logprobs = row[sl].tolist()
-        if self.ref_model is not None:
-            with torch.no_grad():
-                for g, micro in zip(groups, micros):
-                    lp = fn(self.ref_model, micro)
-                    for s, row, sl in zip(g, lp, completion_positions(g)):
-                        s.ref_logprobs = row[sl].tolist()
-            if self.d.algorithm.kl_in == "reward":
-                coef = self.d.algorithm.kl_coef
-                for s in samples:
-                    kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1").sum().item()
-                    s.reward -= coef * kl
-
     # -- training -------------------------------------------------------------------------------
     def loss_fn(self, engine, micro):
         """Per-token loss: clipped surrogate (+ KL in loss) (- entropy bonus), and per-token metrics."""
         a = self.d.algorithm
-        logits = self._forward(engine, micro)
+        logits = forward_logits(engine, micro)
         logp = token_logprobs(logits, micro["targets"], self.d.rollout.temperature)
-        loss, m = clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], a.clip_low, self.clip_high)
+        loss, m = clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], a.clip_low, self.algo.clip_high)
         metrics = {"clip_low_frac": m["clip_low_frac"], "clip_high_frac": m["clip_high_frac"]}
         if self.ref_model is not None:
             kl = kl_estimate(logp, micro["ref_logprobs"], a.kl_estimator)
@@ -300,7 +164,7 @@ class Trainer:
                                shuffle=self.d.batch.shuffle):
             packed = self.d.model.packing
             per_rank = partition_mini_batch(mb, lengths, self.plan.data_parallel_size, self.d.batch, packed=packed)
-            mine = per_rank[self.rank]
+            mine = per_rank[self.replica]
             make = collate_packed if packed else collate
             micros = [make([rollout[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
             t0 = time.perf_counter()
@@ -313,7 +177,23 @@ class Trainer:
         return results
 
     # -- the loop -------------------------------------------------------------------------------
+    def _on_step(self, res: dict[str, Any], bar: Any) -> None:
+        if bar is not None and res["step_applied"]:
+            bar.update(1)
+        rec = {"rollout": self.rollout_index + 1, "call": self.calls, "optimizer_step": res["optimizer_step"],
+               **{k: res[k] for k in STEP_METRICS if k in res}}
+        self.metrics.write("step", rec, res["optimizer_step"])
+
+    def _should_save(self, start: int) -> tuple[bool, bool]:
+        """(save now, stop this invocation) after the rollout just finished."""
+        r = self.d.run
+        last = self.rollout_index == self.plan.rollouts
+        stop = r.stop_after_rollouts is not None and self.rollout_index - start >= r.stop_after_rollouts
+        periodic = bool(r.save_every) and self.rollout_index % r.save_every == 0
+        return periodic or (last and r.save_final) or stop, stop and not last
+
     def run(self) -> dict[str, Any]:
+        """Train to the plan's last rollout (or ``run.stop_after_rollouts``); returns the last rollout's record."""
         plan = self.plan
         bar = None
         if self.rank == 0 and self.d.run.progress_bar:
@@ -321,109 +201,69 @@ class Trainer:
 
             bar = tqdm(total=plan.total_optimizer_steps, initial=self.rl.optimizer_steps, unit="step",
                        desc="dsrl", dynamic_ncols=True)
-        if self.rank == 0:
-            print(f"dsrl: {plan.rollouts} rollouts x {plan.optimizer_steps_per_rollout} optimizer steps = "
-                  f"{plan.total_optimizer_steps} steps on {self.world} rank(s); output {self.output_dir}",
-                  flush=True)
-
-        def on_step(res: dict[str, Any]) -> None:
-            if bar is not None and res["step_applied"]:
-                bar.update(1)
-            keys = ("loss", "grad_norm", "lr", "tokens", "sequences", "micro_batches", "step_applied",
-                    "clip_low_frac", "clip_high_frac", "kl", "entropy", "step_s")
-            rec = {"rollout": self.rollout_index + 1, "call": self.calls, "optimizer_step": res["optimizer_step"],
-                   **{k: res[k] for k in keys if k in res}}
-            self.metrics.write("step", rec, res["optimizer_step"])
-
-        summary: dict[str, Any] = {}
-        start = self.rollout_index
-        if start >= plan.rollouts and self.rank == 0:
-            print(f"dsrl: {self.output_dir} already holds the finished run ({plan.rollouts} rollouts); nothing to "
-                  "do. Use a new --dsrl.run.output_dir or --resume never to start over.", flush=True)
-        while self.rollout_index < plan.rollouts:
-            t0 = time.perf_counter()
-            self.backend.sync_weights()  # no-op for hf; vLLM reloads the policy (every rank calls it)
-            local, stats = self.collect()
-            self.compute_old_logprobs(local)
-            self._advantages(local)
-            t1 = time.perf_counter()
-            log.debug("rank %d rollout %d: %d local samples (%d masked), %.0f sampling rounds, %.2fs",
-                      self.rank, self.rollout_index + 1, len(local), sum(not s.active for s in local),
-                      stats["sampling_rounds"], t1 - t0)
-            results = self.train_rollout(local, on_step)
-            t2 = time.perf_counter()
-            self.rollout_index += 1
-            summary = self._rollout_record(local, stats, results, t1 - t0, t2 - t1)
-            self.metrics.write("rollout", summary, self.rl.optimizer_steps)
-            if self.rank == 0 and (self.rollout_index % self.d.run.log_every == 0
-                                   or self.rollout_index == plan.rollouts):
-                line = self.metrics.rollout_line(summary, plan.rollouts)
-                (bar.write(line) if bar is not None else print(line, flush=True))
-            last = self.rollout_index == plan.rollouts
-            every = self.d.run.save_every
-            stop = self.d.run.stop_after_rollouts is not None and self.rollout_index - start >= \
-                self.d.run.stop_after_rollouts
-            if (every and self.rollout_index % every == 0) or (last and self.d.run.save_final) or stop:
-                self.save()
-            if stop and not last:
-                if self.rank == 0:
-                    print(f"dsrl: stopping after {self.d.run.stop_after_rollouts} rollouts of this invocation "
-                          f"(run.stop_after_rollouts); resume with --resume auto", flush=True)
-                break
+        with _log_through(bar):
+            summary = self._loop(bar)
         if bar is not None:
             bar.close()
         self.metrics.close()
         return summary
 
-    def _rollout_record(self, local: list[Sample], stats: dict[str, float], results: list[dict[str, Any]],
-                        rollout_s: float, train_s: float) -> dict[str, Any]:
-        active = [s for s in local if s.active]
-        finite = [s.reward for s in local if math.isfinite(s.reward)]
-        accs = [s.accuracy for s in local if s.accuracy is not None]
-        vec = [len(finite), sum(finite), sum(r * r for r in finite), len(accs), sum(accs),
-               len(local), sum(s.completion_len for s in local), len(local) - len(active),
-               sum(1 for s in local if not s.finished), stats["groups_generated"], stats["groups_zero_variance"],
-               rollout_s, train_s]
-        tot = _all_reduce(vec, device=self.device)
-        n, s1, s2 = tot[0], tot[1], tot[2]
-        mean = s1 / n if n else float("nan")
-        std = math.sqrt(max(s2 / n - mean * mean, 0.0)) if n else float("nan")
-        tokens = sum(r["tokens"] for r in results)
-        applied = [r for r in results if r["step_applied"]]
+    def _loop(self, bar: Any) -> dict[str, Any]:
+        plan = self.plan
+        if self.rank == 0:
+            log.info("%d rollouts x %d optimizer steps = %d steps on %d rank(s); output %s", plan.rollouts,
+                     plan.optimizer_steps_per_rollout, plan.total_optimizer_steps, self.world, self.output_dir)
+        summary: dict[str, Any] = {}
+        start = self.rollout_index
+        if start >= plan.rollouts and self.rank == 0:
+            log.info("%s already holds the finished run (%d rollouts); nothing to do. Use a new "
+                     "--dsrl.run.output_dir or --resume never to start over.", self.output_dir, plan.rollouts)
+        while self.rollout_index < plan.rollouts:
+            local, stats, rounds = self.experience.make(self.rollout_index)
+            log.debug("rank %d rollout %d: %d local samples (%d masked), %d sampling rounds, %.2fs", self.rank,
+                      self.rollout_index + 1, len(local), sum(not s.active for s in local), rounds, stats.rollout_s)
+            t0 = time.perf_counter()
+            results = self.train_rollout(local, lambda res: self._on_step(res, bar))
+            stats.train_s = time.perf_counter() - t0
+            self.rollout_index += 1
+            summary = rollout_record(stats.summed(self.device), results, world=self.world,
+                                     rollout=self.rollout_index, optimizer_step=self.rl.optimizer_steps,
+                                     rollout_size=plan.rollout_size,
+                                     prompt_epochs=self.prompts_drawn / len(self.prompts), sampling_rounds=rounds,
+                                     local_train_s=stats.train_s)
+            self.metrics.write("rollout", summary, self.rl.optimizer_steps)
+            if self.rank == 0 and (self.rollout_index % self.d.run.log_every == 0
+                                   or self.rollout_index == plan.rollouts):
+                log.info(self.metrics.rollout_line(summary, plan.rollouts))
+            save, stop = self._should_save(start)
+            if save:
+                self.save()
+            if stop:
+                if self.rank == 0:
+                    log.info("stopping after %d rollouts of this invocation (run.stop_after_rollouts); resume with "
+                             "--resume auto", self.d.run.stop_after_rollouts)
+                break
+        return summary
 
-        def tok_mean(key: str) -> float:
-            vals = [(r[key], r["tokens"]) for r in results if key in r]
-            w = sum(t for _, t in vals)
-            return sum(v * t for v, t in vals) / w if w else float("nan")
 
-        rec = {
-            "rollout": self.rollout_index,
-            "optimizer_step": self.rl.optimizer_steps,
-            "episodes": self.rollout_index * self.plan.rollout_size,
-            "prompt_epochs": self.prompts_drawn / len(self.prompts),
-            "reward_mean": mean,
-            "reward_std": std,
-            "accuracy": tot[4] / tot[3] if tot[3] else None,
-            "response_len": tot[6] / tot[5] if tot[5] else 0.0,
-            "masked_samples": tot[7],
-            "truncated_frac": tot[8] / tot[5] if tot[5] else 0.0,
-            "zero_variance_groups": tot[10] / tot[9] if tot[9] else 0.0,
-            "sampling_rounds": stats["sampling_rounds"],
-            "loss": sum(r["loss"] for r in results) / len(results) if results else float("nan"),
-            "kl": tok_mean("kl"),
-            "entropy": tok_mean("entropy"),
-            "clip_low_frac": tok_mean("clip_low_frac"),
-            "clip_high_frac": tok_mean("clip_high_frac"),
-            "clip_frac": tok_mean("clip_low_frac") + tok_mean("clip_high_frac"),
-            "grad_norm": sum(r["grad_norm"] for r in applied) / len(applied) if applied else float("nan"),
-            "lr": results[-1]["lr"] if results else float("nan"),
-            "skipped_steps": len(results) - len(applied),
-            "train_tokens": tokens,
-            "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
-            "rollout_s": tot[11] / self.world,
-            "train_s": tot[12] / self.world,
-        }
-        return rec
+@contextlib.contextmanager
+def _log_through(bar: Any):
+    """Route dsrl's log records through tqdm while ``bar`` is shown (so lines do not break the bar);
+    give the ``dsrl`` logger a stdout handler when nothing configured logging."""
+    logger = logging.getLogger("dsrl")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("dsrl: %(message)s"))
+        logger.addHandler(handler)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+    if bar is None:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logger]):
+        yield
 
 
 def _reference_engine(ref: torch.nn.Module, rl: RLEngine, device: Any) -> Any:
@@ -455,11 +295,3 @@ def _match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) ->
         bf16 = ds_config.setdefault("bf16", {})
         if isinstance(bf16, dict) and bf16.get("enabled", "auto") == "auto":
             bf16["enabled"] = True
-
-
-def _accuracy_fn(data_cfg):
-    try:
-        from dsrl.data import load_accuracy_fn
-    except ImportError:
-        return None
-    return load_accuracy_fn(data_cfg)

@@ -21,9 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", default=None, help="auto | never | a checkpoint directory")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args, rest = parser.parse_known_args(argv)
-    # DSRL_LOG_LEVEL (forwarded to every node through .deepspeed_env) sets dsrl's own log level.
-    logging.basicConfig(format="%(asctime)s dsrl rank" + os.environ.get("RANK", "0") + " %(levelname)s %(message)s")
-    logging.getLogger("dsrl").setLevel(os.environ.get("DSRL_LOG_LEVEL", "INFO").upper())
+    # dsrl logs to stdout; DSRL_LOG_LEVEL (forwarded to every node through .deepspeed_env) sets its level.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s dsrl rank" + os.environ.get("RANK", "0")
+                                           + " %(levelname)s %(message)s"))
+    logger = logging.getLogger("dsrl")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(os.environ.get("DSRL_LOG_LEVEL", "INFO").upper())
     try:
         overrides = parse_override_args(rest)
         from dsrl.trainer import Trainer
