@@ -86,7 +86,7 @@ class StepInputs:
     items: list[WeightedMicroBatch]
 
     @property
-    def fillers(self) -> int:
+    def n_fillers(self) -> int:
         return sum(1 for it in self.items if it.filler)
 
 
@@ -333,7 +333,7 @@ class StepCore(ABC):
         counts = inputs.counts
         return StepResult(
             loss=totals.loss, tokens=counts.tokens, sequences=counts.sequences, samples=counts.samples,
-            micro_batches=counts.max_micro_batches, filler_micro_batches=inputs.fillers,
+            micro_batches=counts.max_micro_batches, filler_micro_batches=inputs.n_fillers,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=update.lr,
             step_applied=update.applied, skipped_nonfinite=totals.skipped_nonfinite,
             optimizer_step=self.optimizer_steps, metrics=totals.metrics, extra=dict(update.extra),
