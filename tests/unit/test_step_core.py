@@ -37,7 +37,6 @@ class PlainStep(StepCore):
                          Counter(), loss_agg=loss_agg, mini_batch_size=mini_batch_size, norm_length=MAX_LEN)
         self.model = model
         self.grads: list[torch.Tensor] = []
-        self.ran: list[int] = []
 
     @property
     def collective_device(self) -> torch.device:
@@ -48,13 +47,9 @@ class PlainStep(StepCore):
 
     def _forward_backward(self, inputs: StepInputs, loss_fn: Any) -> tuple[list, None]:
         self.model.zero_grad()
-        logs = []
-        for item in inputs.items:
-            s_w, log = self.micro_loss(loss_fn(self.model, item.micro), item)
-            (s_w * self.view.grad_scale).backward()
-            logs.append(log)
-        self.ran.append(len(inputs.items))
-        return logs, None
+        outs = [self.micro_loss(loss_fn(self.model, item.micro), item) for item in inputs.items]
+        (torch.stack([s_w for s_w, _ in outs]).sum() * self.view.grad_scale).backward()  # one backward of sum S_w
+        return [log for _, log in outs], None
 
     def _update(self, skip: bool, counts: Any) -> Update:
         self.grads = [p.grad.detach().clone() for p in self.model.parameters()]
