@@ -234,8 +234,7 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     if method == "dsrl":
         metrics = engine.train_mini_batch(micros, per_token_loss)
     else:
-        _, n_max = engine.global_counts(micros)
-        naive_step(engine.engine, micros, n_max)
+        naive_step(engine.engine, micros, engine.global_counts(micros).max_micro_batches)
         metrics = {}
     after = full_parameters(engine.engine)
     update = [(b - a) / LR for b, a in zip(before, after)]

@@ -1,25 +1,25 @@
 """RLEngine: one exact optimizer step per mini-batch on top of a DeepSpeedEngine.
 
-``train_mini_batch(micro_batches, loss_fn)`` keeps these invariants (architecture §2, §3, §7):
+``train_mini_batch(micro_batches, loss_fn)`` keeps the invariants of :mod:`dsrl.step_core` (global
+counts in one collective before the first backward, zero-weight fillers so every rank runs the same
+number of forwards and backwards, the exact weights, the all-rank non-finite skip, metric token
+means, the step counters). What is DeepSpeed's (architecture §3, §7):
 
-- the applied gradient is exactly the gradient of L_M = sum_t w_t l_t over the whole mini-batch,
-  whatever its split into micro-batches and ranks: the global counts (N_M, S_M) come from one
-  collective over the token-owning group *before* the first backward, each micro-batch backward
-  is ``engine.backward(D * sum_{t in micro} w_t l_t, scale_wrt_gas=False)``, and D is the engine's
-  real averaging factor (:func:`dsrl.parallel.deepspeed_view`);
-- every rank of that group runs the same number of forwards and backwards (ranks with fewer
-  micro-batches run zero-weight copies of one of theirs), so ZeRO-2/3 never hangs;
-- ``engine.step()`` runs exactly once; the LR schedule advances only if the update was applied;
-- a non-finite loss on any rank skips the update on every rank (never a NaN in the weights), and a
-  mini-batch with zero valid tokens gives a zero loss and a zero gradient.
+- each micro-batch backward is ``engine.backward(D * sum_{t in micro} w_t l_t, scale_wrt_gas=False)``
+  with D the engine's real averaging factor (:func:`dsrl.parallel.deepspeed_view`), so that its
+  average over D ranks applies exactly the gradient of L_M;
+- ``engine.step()`` runs exactly once; dsrl's LR schedule advances only if
+  ``engine.was_step_applied()``;
+- ZeRO-0 has no overflow check of its own: local gradients are checked too, and a non-finite step is
+  dropped (``zero_grad``) on every rank; on ZeRO 1-3 the engine's own overflow check skips it (and
+  dsrl raises if an update was applied anyway).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,21 +29,12 @@ from dsrl import checkpoint as ckpt
 from dsrl import cpu_shm
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.ds_config import resolve_deepspeed_config
-from dsrl.loss import (
-    SEQ_MEAN_TOKEN_SUM_NORM,
-    GlobalCounts,
-    check_micro_batch,
-    local_counts,
-    masked_sum,
-    token_weights,
-    weighted_sum,
-    zero_weight_micro_batch,
-)
+from dsrl.loss import SEQ_MEAN_TOKEN_SUM_NORM
 from dsrl.parallel import ParallelView, deepspeed_view
 from dsrl.plan import BatchPlan
 from dsrl.schedule import PlannedScheduler, schedule_spec
+from dsrl.step_core import Log, MicroBatch, MiniBatchCounts, StepCore, StepInputs, StepResult, Update
 
-MicroBatch = Mapping[str, Any]
 LossFn = Callable[[Any, MicroBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
@@ -89,8 +80,12 @@ def on_gpu() -> bool:
     return get_accelerator().device_name() != "cpu"
 
 
-class RLEngine:
-    """A DeepSpeedEngine whose optimizer step, normalisation and LR schedule dsrl owns."""
+class RLEngine(StepCore):
+    """A DeepSpeedEngine whose optimizer step, normalisation and LR schedule dsrl owns.
+
+    The step itself is :class:`dsrl.step_core.StepCore`'s; this adapter says how DeepSpeed runs it:
+    one ``engine.backward(D * S_w, scale_wrt_gas=False)`` per micro-batch, then one ``engine.step()``.
+    """
 
     def __init__(
         self,
@@ -100,15 +95,12 @@ class RLEngine:
         view: ParallelView,
         config: Config | None = None,
     ):
+        super().__init__(view, scheduler, loss_agg=plan.loss_agg, mini_batch_size=plan.mini_batch_size,
+                         norm_length=plan.loss_norm_length)
         self.engine = engine
         self.plan = plan
         self.scheduler = scheduler
-        self.view = view
         self.config = config
-        self.loss_agg = plan.loss_agg
-        self.optimizer_steps = 0  # applied updates
-        self.skipped_steps = 0
-        self._template: MicroBatch | None = None
 
     # -- conveniences ---------------------------------------------------------------------------
     @property
@@ -119,134 +111,49 @@ class RLEngine:
     def device(self) -> torch.device:
         return self.engine.device
 
+    collective_device = device  # counts and metrics are reduced on the engine's device
+
     @property
     def zero_stage(self) -> int:
         return self.engine.zero_optimization_stage()
 
-    def _gather_stats(self, values: list[float]) -> torch.Tensor:
-        """All-gather a small float64 vector over the token-owning group -> [group_size, len]."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.view.count_group_size == 1:
-            return t.unsqueeze(0)
-        out = [torch.empty_like(t) for _ in range(self.view.count_group_size)]
-        dist.all_gather(out, t, group=self.view.count_group)
-        return torch.stack(out)
-
-    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.view.count_group_size > 1:
-            dist.all_reduce(t, group=self.view.count_group)
-        return t
-
-    def _fillers(self, micros: list[MicroBatch], n_max: int) -> list[MicroBatch]:
-        if len(micros) == n_max:
-            return []
-        template = micros[0] if micros else self._template
-        if template is None:
-            raise ValueError(
-                "this rank got no micro-batch while others did, and no earlier micro-batch can serve as a "
-                "zero-weight filler; give every rank at least one micro-batch (dsrl.partition does)"
-            )
-        filler = zero_weight_micro_batch(template, one_row=True)
-        return [filler] * (n_max - len(micros))
-
-    def global_counts(self, micro_batches: Sequence[MicroBatch]) -> tuple[GlobalCounts, int]:
-        """(N_M, S_M) of the whole mini-batch and the largest per-rank micro-batch count (1 collective)."""
-        tok = seq = 0
-        for i, mb in enumerate(micro_batches):
-            check_micro_batch(mb, i)
-            t, s = local_counts(mb, self.view.owns_sequences)
-            tok, seq = tok + t, seq + s
-        stats = self._gather_stats([tok, seq, len(micro_batches)])
-        counts = GlobalCounts(tokens=int(stats[:, 0].sum().item()), sequences=int(stats[:, 1].sum().item()))
-        return counts, int(stats[:, 2].max().item())
-
     # -- the step -------------------------------------------------------------------------------
-    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> dict[str, Any]:
+    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> StepResult:
         """One optimizer step over a mini-batch given as this rank's micro-batches.
 
         ``loss_fn(engine, micro)`` runs the forward through the engine and returns per-token losses
         ``[b, t]`` (or ``(losses, metrics)`` with per-token metric tensors ``[b, t]``, reported as
         global token means). dsrl applies the aggregation weights; user code never divides by a count.
+        The result is a :class:`dsrl.step_core.StepResult`, usable as a dict (``res["loss"]``).
         """
-        micros = list(micro_batches)
-        counts, n_max = self.global_counts(micros)
-        if micros:
-            self._template = micros[0]
-        fillers = self._fillers(micros, n_max)
-        scale = self.view.grad_scale
+        return self.run_step(micro_batches, loss_fn)
+
+    def _forward_backward(self, inputs: StepInputs, loss_fn: LossFn) -> tuple[list[Log], torch.Tensor | None]:
         self.engine.train()
+        logs = []
+        for item in inputs.items:
+            s_w, log = self.micro_loss(loss_fn(self.engine, item.micro), item)
+            self.engine.backward(s_w * self.view.grad_scale, scale_wrt_gas=False)
+            logs.append(log)
+        # ZeRO-0 has no overflow check of its own: a non-finite local gradient must skip the step too.
+        return logs, self._local_grads_nonfinite() if self.zero_stage == 0 else None
 
-        loss_local = torch.zeros((), dtype=torch.float64, device=self.device)
-        metric_sums: dict[str, torch.Tensor] = {}
-        for mb in micros + fillers:
-            out = loss_fn(self.engine, mb)
-            per_token, metrics = out if isinstance(out, tuple) else (out, {})
-            mask = mb["loss_mask"].to(per_token.device)
-            if per_token.shape != mask.shape:
-                raise ValueError(
-                    f"loss_fn returned per-token losses of shape {tuple(per_token.shape)} for a micro-batch whose "
-                    f"loss_mask is {tuple(mask.shape)}; they must match"
-                )
-            weights = token_weights(
-                self.loss_agg,
-                mb,
-                counts,
-                mini_batch_size=self.plan.mini_batch_size,
-                norm_length=self.plan.loss_norm_length,
-            ).to(per_token.device)
-            contrib = weighted_sum(per_token, weights, mask)
-            self.engine.backward(contrib * scale, scale_wrt_gas=False)
-            loss_local += contrib.detach().double()
-            for name, value in metrics.items():
-                s = masked_sum(value.detach().double(), mask)
-                metric_sums[name] = metric_sums.get(name, 0.0) + s
-
-        names = sorted(metric_sums)
-        nonfinite = (~torch.isfinite(loss_local)).double()
-        if self.zero_stage == 0:
-            nonfinite = nonfinite + self._local_grads_nonfinite()
-        vec = torch.stack([loss_local, nonfinite] + [torch.as_tensor(metric_sums[n], dtype=torch.float64,
-                                                                      device=self.device) for n in names])
-        vec = self._all_reduce_sum(vec.clone())
-        skipped_nonfinite = bool(vec[1].item() > 0) or not math.isfinite(vec[0].item())
-
+    def _update(self, skip: bool, counts: MiniBatchCounts) -> Update:
         lr = self.scheduler.current_lr()
         applied = False
-        if skipped_nonfinite and self.zero_stage == 0:
+        if skip and self.zero_stage == 0:
             self.engine.zero_grad()  # stage 0 has no overflow check: drop the step on every rank
         else:
             self.engine.step()
             applied = bool(self.engine.was_step_applied())
-            if applied and skipped_nonfinite:
+            if applied and skip:
                 raise RuntimeError(
                     "a non-finite loss reached an optimizer update that DeepSpeed applied; the weights may "
                     "hold NaN. Resume from the last complete checkpoint and check rewards/advantages."
                 )
         if applied:
             self.scheduler.step()
-            self.optimizer_steps += 1
-        else:
-            self.skipped_steps += 1
-
-        grad_norm = self.engine.get_global_grad_norm() if applied else None
-        if torch.is_tensor(grad_norm):
-            grad_norm = grad_norm.item()
-        N = counts.tokens
-        result: dict[str, Any] = {
-            "loss": vec[0].item(),
-            "tokens": N,
-            "sequences": counts.sequences,
-            "micro_batches": n_max,
-            "filler_micro_batches": len(fillers),
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "lr": lr,
-            "step_applied": applied,
-            "skipped_nonfinite": skipped_nonfinite,
-            "optimizer_step": self.optimizer_steps,
-        }
-        for i, name in enumerate(names):
-            result[name] = vec[2 + i].item() / N if N else 0.0
-        return result
+        return Update(applied, self.engine.get_global_grad_norm() if applied else None, lr)
 
     def _local_grads_nonfinite(self) -> torch.Tensor:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -264,36 +171,22 @@ class RLEngine:
         parameters in each forward): ranks with fewer micro-batches run discarded filler forwards.
         """
         micros = list(micro_batches)
-        n_max = int(self._gather_stats([len(micros)])[:, 0].max().item())
+        n_max = self.max_micro_batches(len(micros))
         if micros and self._template is None and "loss_mask" in micros[0]:
-            self._template = micros[0]
+            self.remember_template(micros[0])
         was_training = self.engine.training
         self.engine.eval()
         try:
             outs = [fn(self.engine, mb) for mb in micros]
-            if len(micros) < n_max:
-                template = micros[0] if micros else self._template
-                if template is None:
-                    raise ValueError("this rank has no micro-batch to run filler forwards with")
-                for _ in range(n_max - len(micros)):
-                    fn(self.engine, template)
+            for filler in self.fillers(micros, n_max):
+                fn(self.engine, filler)
         finally:
             self.engine.train(was_training)
         return outs
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "optimizer_steps": self.optimizer_steps,
-            "skipped_steps": self.skipped_steps,
-            "plan": self.plan.to_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.optimizer_steps = int(state["optimizer_steps"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        return {**super().state_dict(), "plan": self.plan.to_dict()}
 
     def save_checkpoint(
         self,

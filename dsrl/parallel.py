@@ -1,43 +1,85 @@
-"""Which ranks own tokens (and count them), and by what factor the engine averages gradients.
+"""Which ranks own tokens (and count them), and by what factor the gradient reduction scales them.
 
-A :class:`ParallelView` answers, for one training framework's layout:
+One :class:`ParallelView` describes the layout one rank sees, for either backend, in the terms the
+exact step (:mod:`dsrl.step_core`) needs:
+
 - ``count_group``: the group over which per-mini-batch token/sequence counts are summed, so that
-  every token is counted exactly once (data-parallel ranks, plus sequence/context-parallel shards;
-  never tensor-parallel ranks, which hold the same tokens);
-- ``grad_scale`` (D): the factor a rank multiplies its locally weighted token sum by, so that the
-  engine's averaging turns the sum over ranks into exactly the mini-batch gradient;
-- ``owns_sequences``: whether this rank counts sequences (only one shard of each sequence does).
+  every token is counted exactly once: data-parallel replicas plus sequence/context-parallel
+  shards, never tensor-parallel peers (they hold the same tokens) and never other pipeline stages;
+- ``grad_scale``: 1/f, where f is what the gradient reduction multiplies each rank's gradient by
+  before summing it over ``count_group`` (DeepSpeed's mean over D replicas: f = 1/D, so the scale
+  is D; Megatron: the DDP's real factor). A backend's own loss conventions (Megatron dividing by
+  the micro-batch or token count) are applied by that backend on top;
+- ``owns_sequences``: whether this rank counts sequences (only the first shard of each sequence);
+- ``data_parallel_size`` / ``data_parallel_rank``: the replicas holding different sequences (D of
+  the plan) and this rank's replica index, which decides which data it gets;
+- ``tensor_parallel_size``, ``sequence_parallel_size`` / ``sequence_parallel_rank`` (DeepSpeed
+  Ulysses or Megatron context parallelism), ``pipeline`` (None without pipeline stages).
 
-The DeepSpeed view reads D from the engine's real reduction (group size, sequence parallelism,
-ZeRO stage, reduce_scatter, gradient_allreduce_op), never assumes it.
+With tensor parallelism the count group stays the data(-sequence)-parallel group and D =
+world / (tp * sp * pp): the fields above already say so, whichever backend provides the TP.
+
+The DeepSpeed view reads the factor from the engine's real reduction (group size, sequence
+parallelism, ZeRO stage, reduce_scatter, gradient_allreduce_op), never assumes it; the Megatron view
+(:func:`dsrl.megatron.megatron_view`) reads it from the DDP's grad buffers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 
 @dataclass(frozen=True)
+class PipelineView:
+    """Pipeline stages: only the last one computes losses; every stage must agree on the results."""
+
+    size: int
+    is_last_stage: bool
+    group: Any  # the pipeline group of this rank (ranks holding the same data at different stages)
+    last_stage_global_rank: int  # the global rank that holds the losses and broadcasts them
+
+
+@dataclass(frozen=True)
 class ParallelView:
+    """The parallel layout one rank sees, and the gradient reduction's real factor (module docstring)."""
+
     count_group: Any  # torch ProcessGroup (None = the default group)
-    count_group_size: int
     grad_scale: float
-    owns_sequences: bool
     data_parallel_size: int  # replicas that hold different sequences (D of the plan)
     data_parallel_rank: int
+    tensor_parallel_size: int = 1
+    sequence_parallel_size: int = 1  # DeepSpeed Ulysses SP / Megatron CP shards of one sequence
+    sequence_parallel_rank: int = 0
+    pipeline: PipelineView | None = None
     description: str = ""
+    count_group_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "count_group_size", group_size(self.count_group))
+
+    @property
+    def owns_sequences(self) -> bool:
+        """Whether this rank counts sequences: only the first shard of each sequence does."""
+        return self.sequence_parallel_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank computes losses (always, without pipeline parallelism)."""
+        return self.pipeline is None or self.pipeline.is_last_stage
 
 
-def _group_size(group: Any) -> int:
+def group_size(group: Any) -> int:
+    """Size of ``group`` (1 when torch.distributed is not running)."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group=group)
 
 
-def _group_rank(group: Any) -> int:
+def group_rank(group: Any) -> int:
+    """This rank's index in ``group`` (0 when torch.distributed is not running)."""
     if not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank(group=group)
@@ -54,7 +96,7 @@ def deepspeed_view(engine: Any) -> ParallelView:
         extra 1/sp that dsrl corrects by using D = |seq_dp|.
     """
     group = engine.seq_data_parallel_group
-    seq_dp = _group_size(group)
+    seq_dp = group_size(group)
     sp = int(getattr(engine, "sequence_parallel_size", 1) or 1)
     replicas = seq_dp // sp
     stage = engine.zero_optimization_stage()
@@ -70,13 +112,6 @@ def deepspeed_view(engine: Any) -> ParallelView:
         sp_rank = groups._get_sequence_parallel_rank()
         dp_rank = groups._get_data_parallel_rank()
     else:
-        sp_rank, dp_rank = 0, _group_rank(group)
-    return ParallelView(
-        count_group=group,
-        count_group_size=seq_dp,
-        grad_scale=scale,
-        owns_sequences=(sp_rank == 0),
-        data_parallel_size=replicas,
-        data_parallel_rank=dp_rank,
-        description=f"ZeRO-{stage}, {how}",
-    )
+        sp_rank, dp_rank = 0, group_rank(group)
+    return ParallelView(count_group=group, grad_scale=scale, data_parallel_size=replicas, data_parallel_rank=dp_rank,
+                        sequence_parallel_size=sp, sequence_parallel_rank=sp_rank, description=f"ZeRO-{stage}, {how}")

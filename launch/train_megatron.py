@@ -164,7 +164,7 @@ def main() -> None:
     rank0 = dist.get_rank() == 0
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if rank0:
-        print(f"[dsrl] {step.layout.description}; plan: {plan.total_optimizer_steps} optimizer steps, "
+        print(f"[dsrl] {step.view.description}; plan: {plan.total_optimizer_steps} optimizer steps, "
               f"B={plan.mini_batch_size}, loss_agg={plan.loss_agg}, schedule unit={args.schedule_unit}", flush=True)
 
     def forward_fn(model: Any, mb: dict) -> torch.Tensor:  # every pipeline stage

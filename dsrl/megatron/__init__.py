@@ -5,27 +5,22 @@ only torch. Public names:
 
 - :class:`MegatronRLStep` -- one exact optimizer step per mini-batch (one ``forward_backward_func``
   call), for ``calculate_per_token_loss=True`` (``convention="per_token"``) or Megatron's default
-  averaging DDP (``convention="average"``);
+  averaging DDP (``convention="average"``); the step itself is :mod:`dsrl.step_core`'s, shared with
+  the DeepSpeed backend;
 - :func:`build_param_scheduler` / :class:`SchedulerDriver` -- ``OptimizerParamScheduler`` owned by dsrl,
   in ``"optimizer_steps"`` or ``"samples"``;
 - :func:`shard_for_context_parallel` -- Megatron's load-balanced CP cut carrying whole-sequence n_s;
-- :func:`megatron_layout` -- the token-owning group and the DDP's real gradient factor, validated.
+- :func:`megatron_view` -- the :class:`dsrl.parallel.ParallelView` of a Megatron layout: the
+  token-owning group and the DDP's real gradient factor, validated.
 
 See docs/megatron.md.
 """
 
 from dsrl.megatron.cp import cp_chunk_index, shard_for_context_parallel, unshard_from_context_parallel
-from dsrl.megatron.layout import MegatronLayout, ddp_grad_factor, megatron_layout, validate_count_group
+from dsrl.megatron.deps import require_megatron
 from dsrl.megatron.sched import OPTIMIZER_STEPS, SAMPLES, SchedulerDriver, build_param_scheduler
-from dsrl.megatron.step import (
-    AVERAGE,
-    CONVENTIONS,
-    PER_TOKEN,
-    FinalizeOnce,
-    MegatronRLStep,
-    require_megatron,
-    zero_weight_filler,
-)
+from dsrl.megatron.step import AVERAGE, CONVENTIONS, PER_TOKEN, FinalizeOnce, MegatronRLStep
+from dsrl.megatron.view import ddp_grad_factor, megatron_view, validate_count_group
 
 __all__ = [
     "AVERAGE",
@@ -34,16 +29,14 @@ __all__ = [
     "PER_TOKEN",
     "SAMPLES",
     "FinalizeOnce",
-    "MegatronLayout",
     "MegatronRLStep",
     "SchedulerDriver",
     "build_param_scheduler",
     "cp_chunk_index",
     "ddp_grad_factor",
-    "megatron_layout",
+    "megatron_view",
     "require_megatron",
     "shard_for_context_parallel",
     "unshard_from_context_parallel",
     "validate_count_group",
-    "zero_weight_filler",
 ]

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dsrl.megatron.deps import require_megatron
+
 OPTIMIZER_STEPS = "optimizer_steps"
 SAMPLES = "samples"
 UNITS = (OPTIMIZER_STEPS, SAMPLES)
@@ -52,8 +54,6 @@ def build_param_scheduler(
     with ``unit="samples"`` they are multiplied by ``samples_per_step`` (the plan's ``mini_batch_size``).
     ``min_lr`` is always set (megatron-core 0.16.1 raises a TypeError in ``get_lr`` when it is None).
     """
-    from dsrl.megatron.step import require_megatron
-
     require_megatron()
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

@@ -59,17 +59,3 @@ def cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
             return tokens[: i + 1], True
     return tokens, False
 
-
-def make_backend(rollout_cfg: Any, engine: Any, tokenizer: Any, **kwargs: Any) -> RolloutBackend:
-    """The backend named by ``rollout.backend``: ``"hf"`` (transformers generate on the policy) or
-    ``"vllm"`` (a colocated vLLM engine; ``kwargs`` go to :class:`dsrl.rollout.vllm.VLLMRolloutBackend`,
-    e.g. ``model_path``)."""
-    if rollout_cfg.backend == "hf":
-        from dsrl.rollout.hf import HFRolloutBackend
-
-        return HFRolloutBackend(engine, tokenizer, rollout_cfg)
-    if rollout_cfg.backend == "vllm":
-        from dsrl.rollout.vllm import VLLMRolloutBackend
-
-        return VLLMRolloutBackend(engine, tokenizer, rollout_cfg, **kwargs)
-    raise ValueError(f"rollout.backend = {rollout_cfg.backend!r} is not one of 'hf', 'vllm'")

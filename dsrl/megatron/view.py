@@ -1,6 +1,7 @@
-"""Which Megatron ranks own tokens, what the DDP really does to gradients, and construction checks.
+"""Megatron's :class:`dsrl.parallel.ParallelView`: which ranks own tokens, what the DDP really does to
+gradients, and the construction checks.
 
-:func:`megatron_layout` reads everything from the live megatron-core objects, never assumes it:
+:func:`megatron_view` reads everything from the live megatron-core objects, never assumes it:
 
 - the count group is ``get_data_parallel_group(with_context_parallel=True)``: ranks with the same
   tensor-parallel shard and pipeline stage. Tensor-parallel peers hold the same tokens and would be
@@ -8,38 +9,20 @@
   spans different (TP rank, PP rank) positions;
 - the DDP's gradient factor f (what a rank's gradient is multiplied by before the sum over DP x CP)
   comes from its grad buffers: ``gradient_scaling_factor``, divided by ``|DP x CP|`` when
-  ``average_in_collective`` turns the collective into an average;
+  ``average_in_collective`` turns the collective into an average; the view's ``grad_scale`` is 1/f;
 - the chosen reduction convention must match the config and the DDP: ``"per_token"`` needs
   ``calculate_per_token_loss=True`` *and* a DDP built with it (f = 1); ``"average"`` needs the flag off.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class MegatronLayout:
-    """The parallel layout seen by one rank, and the DDP's real gradient factor."""
-
-    config: Any  # TransformerConfig of the model chunks
-    count_group: Any  # DP x CP group (tokens are summed over it)
-    count_group_size: int
-    owns_sequences: bool  # CP rank 0 counts sequences; other CP ranks hold shards of the same ones
-    tp_size: int
-    pp_size: int
-    cp_size: int
-    cp_rank: int
-    dp_size: int  # data-parallel replicas (without CP)
-    is_last_stage: bool
-    pp_group: Any
-    pp_last_global_rank: int
-    grad_factor: float  # f: DDP multiplies each rank's gradient by f, then sums over DP x CP
-    description: str
+from dsrl.megatron.deps import require_megatron
+from dsrl.parallel import ParallelView, PipelineView
 
 
 def validate_count_group(group: Any) -> None:
@@ -81,10 +64,13 @@ def ddp_grad_factor(chunk: Any) -> float:
     return f
 
 
-def megatron_layout(
+def megatron_view(
     model: list[Any], convention: str, *, count_group: Any = None, check_count_group: bool = True
-) -> MegatronLayout:
-    """Read and validate the layout; every mismatch is an error naming the flag and the fix."""
+) -> ParallelView:
+    """Read and validate the layout of DDP-wrapped ``model`` chunks for ``convention`` (``"per_token"``
+    or ``"average"``); every mismatch is an error naming the flag and the fix. ``count_group``
+    overrides DP x CP (validated unless ``check_count_group`` is False)."""
+    require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
@@ -144,22 +130,18 @@ def megatron_layout(
     cp_size = ps.get_context_parallel_world_size()
     cp_rank = ps.get_context_parallel_rank()
     pp_size = ps.get_pipeline_model_parallel_world_size()
-    desc = (f"tp={ps.get_tensor_model_parallel_world_size()} pp={pp_size} cp={cp_size} "
-            f"dp={ps.get_data_parallel_world_size()}; counts over DPxCP ({dp_cp_size} ranks); "
-            f"DDP factor {f:g}{' (average_in_collective)' if avg_in_coll else ''}; convention={convention}")
-    return MegatronLayout(
-        config=config,
-        count_group=group,
-        count_group_size=dist.get_world_size(group=group),
-        owns_sequences=cp_rank == 0,
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-        pp_size=pp_size,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        dp_size=ps.get_data_parallel_world_size(),
-        is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        pp_last_global_rank=ps.get_pipeline_model_parallel_last_rank(),
-        grad_factor=f,
-        description=desc,
-    )
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    counted = "DPxCP" if count_group is None else "a custom group"
+    desc = (f"tp={tp_size} pp={pp_size} cp={cp_size} dp={ps.get_data_parallel_world_size()}; counts over "
+            f"{counted} ({dist.get_world_size(group=group)} ranks); DDP factor {f:g}"
+            f"{' (average_in_collective)' if avg_in_coll else ''}; convention={convention}")
+    pipeline = None
+    if pp_size > 1:
+        pipeline = PipelineView(size=pp_size, is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
+                                group=ps.get_pipeline_model_parallel_group(),
+                                last_stage_global_rank=ps.get_pipeline_model_parallel_last_rank())
+    # f multiplies each rank's gradient before the sum over the group: the scale that undoes it is 1/f.
+    return ParallelView(count_group=group, grad_scale=1.0 / f, data_parallel_size=ps.get_data_parallel_world_size(),
+                        data_parallel_rank=ps.get_data_parallel_rank(), tensor_parallel_size=tp_size,
+                        sequence_parallel_size=cp_size, sequence_parallel_rank=cp_rank, pipeline=pipeline,
+                        description=desc)
