@@ -25,7 +25,8 @@ def _result(out, mode, tag, rank=0):
 
 
 def _worker(out, mode, *extra, nprocs=2):
-    return launch(["tests/workers/engine_worker.py", "--mode", mode, "--out", str(out), *extra], nprocs=nprocs, timeout=600)
+    return launch(["tests/workers/engine_worker.py", "--mode", mode, "--out", str(out), *extra], nprocs=nprocs,
+                  timeout=600)
 
 
 def test_scheduler_closed_form_skip_and_resume(tmp_path):

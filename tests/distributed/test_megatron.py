@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import REPO, free_port
 
 pytest.importorskip("megatron.core")
