@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -65,14 +66,17 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     return plan, extra
 
 
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
 def _quiet_deepspeed_logs() -> None:
     """Keep stdout machine-readable and DeepSpeed's log below ERROR out of `dsrl plan`: its logger writes
     to stdout, even at import time (where it announces the accelerator it picked, which the plan shows
     as a row). Its warnings during validation are dsrl's errors (dsrl.ds_validation)."""
     import contextlib
-    import logging
 
-    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)  # the same object once: added at most once
     with contextlib.redirect_stdout(sys.stderr):
         from deepspeed.utils.logging import logger
     for handler in logger.handlers:

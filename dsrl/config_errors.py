@@ -137,7 +137,8 @@ def _message(errors: list[dict[str, Any]], model: type[BaseModel], prefix: str, 
         known = list(owner.model_fields) if owner is not None else []
         parent, key = path.rsplit(".", 1) if "." in path else ("", path)
         close = difflib.get_close_matches(key, known, n=1)
-        hint = f"; did you mean {parent}.{close[0]}?" if close else f"; known keys: {', '.join(known)}."
+        listed = ", ".join(known[:12]) + (f" (and {len(known) - 12} more)" if len(known) > 12 else "")
+        hint = f"; did you mean {parent}.{close[0]}?" if close else f"; known keys: {listed}."
         return path, f"{path} is not a known setting{hint} Fix: rename or remove it."
     if "missing" in kinds:
         return path, f"{path} is required{_field_doc(info)}. Fix: set {path}."

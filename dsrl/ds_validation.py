@@ -177,7 +177,7 @@ def check_with_deepspeed(ds: dict[str, Any], *, mpu: Any = None, client_optimize
     except (AssertionError, ValueError, NotImplementedError) as e:
         from deepspeed.accelerator import get_accelerator
 
-        during = f"the engine's checks, {get_accelerator().device_name().upper()} accelerator"
+        during = f"DeepSpeed's engine check ({get_accelerator().device_name().upper()} accelerator)"
         raise _located(e, ds, lambda d: _parse_and_check(d, mpu, client_optimizer), during=during) from None
     return ds_cfg
 
@@ -336,7 +336,7 @@ def _value_at(ds: dict[str, Any], dotted: str) -> Any:
 
 
 def _located(error: BaseException, ds: dict[str, Any], build: Callable[[dict[str, Any]], Any], *,
-             during: str = "its config parser", start: tuple[str, ...] = (),
+             during: str = "DeepSpeed's config parser", start: tuple[str, ...] = (),
              skip: frozenset[str] = _SET_BY_DSRL) -> ConfigError:
     """A ConfigError naming the keys of ``ds`` (under ``start``) without which ``build`` (DeepSpeed's
     code) passes."""
@@ -344,15 +344,15 @@ def _located(error: BaseException, ds: dict[str, Any], build: Callable[[dict[str
     names = _culprits(build, ds, f"{type(error).__name__}: {error}", start, skip)
     if not names:
         where = f" {'.'.join(start)}" if start else ""
-        return ConfigError(f"ds_config{where}: DeepSpeed ({during}) rejects it: {text}. "
-                           "Fix: correct the setting it names.")
+        return ConfigError(f"ds_config{where}: {during} fails: {text}. Fix: correct the setting it names.")
     shown = " and ".join(f"{n} = {_value_at(ds, n)!r}" for n in names)
     sections = dict.fromkeys(n.rsplit(".", 1)[0] for n in names if "." in n)
-    context = "; ".join(f"{sec} = {json.dumps(_value_at(ds, sec), default=repr)}" for sec in sections
-                        if len(json.dumps(_value_at(ds, sec), default=repr)) <= 160)
+    shown_sections = {sec: json.dumps(_value_at(ds, sec), default=repr) for sec in sections}
+    context = "; ".join(f"{sec} = {text}" for sec, text in shown_sections.items()  # short sections only
+                        if len(text) <= 80 and len(_value_at(ds, sec)) > 1)
     which = "it" if len(names) == 1 else "one of them"
-    return ConfigError(f"ds_config {shown}{f' (in {context})' if context else ''}: DeepSpeed ({during}) rejects "
-                       f"this: {text}. Fix: change or remove {which}.")
+    return ConfigError(f"ds_config {shown}{f' (in {context})' if context else ''}: {during} fails: {text}. "
+                       f"Fix: change or remove {which}.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,8 +499,8 @@ def _optimizer_error(error: BaseException, ds: dict[str, Any], ds_cfg: Any, para
     def build(d: dict[str, Any]) -> Any:
         return _build_optimizer(ds_cfg, d["optimizer"]["params"], on_gpu)
 
-    return _located(error, {"optimizer": {"params": params}}, build, during=f"building optimizer {name!r}",
-                    start=("optimizer", "params"))
+    return _located(error, {"optimizer": {"params": params}}, build,
+                    during=f"building optimizer {name!r} as DeepSpeed does", start=("optimizer", "params"))
 
 
 def _known_optimizer(name: Any) -> bool:
@@ -560,7 +560,6 @@ def check_schedule(spec: ScheduleSpec, optimizer: torch.optim.Optimizer | None, 
     Adam when DeepSpeed's would be a kernel class or the user passes one) and read the LR of every step."""
     if spec.source == "constant":
         return
-    field = "scheduler.params" if spec.source == "deepspeed" else "dsrl.scheduler"
 
     def build(params: dict[str, Any]) -> list[float]:
         opt = throwaway_optimizer(lr if lr is not None else 1.0, optimizer)
@@ -572,23 +571,19 @@ def check_schedule(spec: ScheduleSpec, optimizer: torch.optim.Optimizer | None, 
                 lrs.append(sched.current_lr())
         if warned:  # DeepSpeed replaced a setting it could not use (e.g. an unknown warmup_type)
             raise ValueError(f"DeepSpeed warned: {warned[0]}")
+        bad = next(((k, v) for k, v in enumerate(lrs, 1) if not math.isfinite(v) or v < 0), None)
+        if bad is not None:  # DeepSpeed would apply it: a negative LR ascends the loss, NaN poisons weights
+            raise ValueError(f"it gives optimizer step {bad[0]} the learning rate {bad[1]!r}; every step needs a "
+                             "finite LR >= 0")
         return lrs
 
     try:
-        lrs = build(dict(spec.params))
+        build(dict(spec.params))
     except _CHECK_ERRORS as e:
-        raise _schedule_error(e, spec, build, field) from None
-    bad = next(((k, v) for k, v in enumerate(lrs, 1) if not math.isfinite(v) or v < 0), None)
-    if bad is not None:
-        shown = ", ".join(f"{k} = {v!r}" for k, v in spec.params.items() if k != "scheduler_specific_kwargs")
-        raise ConfigError(
-            f"{field} ({spec.name}: {shown}) gives optimizer step {bad[0]} the learning rate {bad[1]!r}; every "
-            f"step needs a finite LR >= 0. Fix: correct {field}."
-        )
+        raise _schedule_error(e, spec, build) from None
 
 
-def _schedule_error(error: BaseException, spec: ScheduleSpec, build: Callable[[dict[str, Any]], Any],
-                    field: str) -> ConfigError:
+def _schedule_error(error: BaseException, spec: ScheduleSpec, build: Callable[[dict[str, Any]], Any]) -> ConfigError:
     if spec.source == "transformers":
         kwargs = dict(spec.params.get("scheduler_specific_kwargs") or {})
         names = [k for k in kwargs if _passes(lambda d: build({**spec.params, "scheduler_specific_kwargs": d}),
@@ -597,7 +592,7 @@ def _schedule_error(error: BaseException, spec: ScheduleSpec, build: Callable[[d
                  or f"dsrl.scheduler.name = {spec.name!r}")
         return ConfigError(f"{where}: transformers rejects it: {str(error).strip()}. Fix: correct it.")
     return _located(error, {"scheduler": {"params": dict(spec.params)}},
-                    lambda d: build(d["scheduler"]["params"]), during=f"building schedule {spec.name}",
+                    lambda d: build(d["scheduler"]["params"]), during=f"building DeepSpeed's schedule {spec.name}",
                     start=("scheduler", "params"), skip=frozenset({"scheduler.params.total_num_steps"}))
 
 
