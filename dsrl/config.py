@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from dsrl.config_errors import ConfigError, config_error
 from dsrl.config_models import (
-    SECTIONS,
     AlgorithmConfig,
     BatchConfig,
     DataConfig,
@@ -37,7 +36,7 @@ from dsrl.names import ALGORITHM_LOSS_AGG, ALGORITHM_NAMES, LOSS_AGG_MODES
 DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 __all__ = [
-    "ALGORITHM_LOSS_AGG", "ALGORITHM_NAMES", "DS_BATCH_KEYS", "LOSS_AGG_MODES", "SECTIONS", "AlgorithmConfig",
+    "ALGORITHM_LOSS_AGG", "ALGORITHM_NAMES", "DS_BATCH_KEYS", "LOSS_AGG_MODES", "AlgorithmConfig",
     "BatchConfig", "Config", "ConfigError", "DataConfig", "DsrlConfig", "ModelConfig", "RolloutConfig", "RunConfig",
     "SchedulerConfig", "Section", "apply_overrides", "load_config", "parse_override_args", "parse_override_value",
 ]

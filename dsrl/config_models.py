@@ -360,7 +360,5 @@ class DsrlConfig(Section):
         return self.batch.loss_agg_norm_length or self.rollout.max_new_tokens
 
 
-SECTIONS: tuple[type[Section], ...] = (BatchConfig, RunConfig, ModelConfig, DataConfig, RolloutConfig,
-                                       AlgorithmConfig, SchedulerConfig)
-__all__ = ["SECTIONS", "AlgorithmConfig", "BatchConfig", "DataConfig", "DsrlConfig",
-           "ModelConfig", "RolloutConfig", "RunConfig", "SchedulerConfig", "Section", "setting"]
+__all__ = ["AlgorithmConfig", "BatchConfig", "DataConfig", "DsrlConfig", "ModelConfig", "RolloutConfig", "RunConfig",
+           "SchedulerConfig", "Section", "setting"]

@@ -12,7 +12,8 @@ from conftest import REPO
 
 from dsrl.config import ConfigError, load_config
 from dsrl.ds_config import resolve_deepspeed_config
-from dsrl.ds_validation import _EngineView, check_with_deepspeed, validated_deepspeed_config
+from dsrl.ds_probe import EngineView
+from dsrl.ds_validation import check_with_deepspeed, validated_deepspeed_config
 from dsrl.plan import BatchPlan
 from dsrl.schedule import PlannedScheduler, ScheduleSpec
 
@@ -60,7 +61,7 @@ def test_the_engine_checks_are_deepspeeds_own_code():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     cfg, plan, (ds, _) = _validate({})
-    view = _EngineView(check_with_deepspeed(ds))
+    view = EngineView(check_with_deepspeed(ds))
     assert view._do_sanity_check.__func__ is DeepSpeedEngine._do_sanity_check
     assert view._configure_basic_optimizer.__func__ is DeepSpeedEngine._configure_basic_optimizer
     assert ds == resolve_deepspeed_config(cfg, plan, on_gpu=False)  # validation does not change the config
