@@ -59,7 +59,7 @@ def main() -> None:
     model = build_lm(args.size, args.max_len, dtype)
     raw_model = copy.deepcopy(model)
     run = {**copy.deepcopy(base), "dsrl": {
-        "batch": {"prompts_per_rollout": B, "samples_per_prompt": 1, "mini_batch_size": B,
+        "batch": {"prompts_per_rollout": world, "samples_per_prompt": B // world, "mini_batch_size": B,
                   "micro_batch_size_per_rank": m, "loss_agg": "token-mean"},
         "run": {"rollouts": 1000}, "data": {"max_prompt_tokens": 16}, "rollout": {"max_new_tokens": args.max_len},
     }}

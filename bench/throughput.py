@@ -62,7 +62,7 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": True}},
         "gradient_clipping": 1.0,
         "dsrl": {
-            "batch": {"prompts_per_rollout": B, "samples_per_prompt": 1, "mini_batch_size": B,
+            "batch": {"prompts_per_rollout": world, "samples_per_prompt": B // world, "mini_batch_size": B,
                       "max_tokens_per_micro_batch": T, "loss_agg": "token-mean"},
             "run": {"rollouts": 1000}, "data": {"max_prompt_tokens": 16},
             "rollout": {"max_new_tokens": max_len - 16},

@@ -211,7 +211,7 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     cfg["zero_allow_untested_optimizer"] = True
     cfg["gradient_clipping"] = 0.0
     cfg["dsrl"] = {
-        "batch": {"prompts_per_rollout": B, "samples_per_prompt": 1, "mini_batch_size": B,
+        "batch": {"prompts_per_rollout": B // 2, "samples_per_prompt": 2, "mini_batch_size": B,
                   "max_tokens_per_micro_batch": 4 * MAX_LEN, "allow_oversize": True, "loss_agg": mode,
                   "loss_agg_norm_length": MAX_LEN},
         "run": {"rollouts": 1},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -29,20 +30,29 @@ def _dataset_size(cfg: Config, given: int | None) -> int | None:
 
 
 def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
-                      lengths: list[int] | None = None) -> tuple[BatchPlan, dict[str, Any]]:
-    """The plan plus what `dsrl plan` reports beside it (DeepSpeed fields, LR at first/last step)."""
-    from dsrl.schedule import base_lr, lr_curve, schedule_spec
+                      lengths: list[int] | None = None, on_gpu: bool | None = None) -> tuple[BatchPlan, dict[str, Any]]:
+    """The plan plus what `dsrl plan` reports beside it (DeepSpeed fields, LR at first/last step).
 
-    sp = int(cfg.ds_config.get("sequence_parallel_size", 1) or 1)
+    The ds_config is validated as ``dsrl.initialize`` validates it (DeepSpeed's own classes), for this
+    machine's accelerator unless ``on_gpu`` says otherwise.
+    """
+    from dsrl.ds_config import sequence_parallel_size
+    from dsrl.ds_validation import accelerator_is_gpu, validated_deepspeed_config
+    from dsrl.schedule import base_lr, lr_curve
+
+    if world_size <= 0:
+        raise ConfigError(f"--world_size {world_size} must be a positive number of ranks")
+    sp = sequence_parallel_size(cfg.ds_config)
     if world_size % sp:
         raise ConfigError(f"--world_size {world_size} is not a multiple of sequence_parallel_size {sp}")
     plan = BatchPlan.from_config(cfg, world_size // sp, dataset_size)
-    plan.check_user_batch_fields(cfg.ds_config)
-    spec = schedule_spec(cfg, plan.total_optimizer_steps)
+    on_gpu = accelerator_is_gpu() if on_gpu is None else on_gpu
+    _, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu)
     lr = base_lr(cfg)
     first, last = lr_curve(spec, lr if lr is not None else 1.0, [1, plan.total_optimizer_steps])
     extra: dict[str, Any] = {
         "world_size": world_size,
+        "accelerator": "gpu" if on_gpu else "cpu",
         "scheduler": f"{spec.source}:{spec.name}",
         "lr_first_step": first,
         "lr_last_step": last,
@@ -56,11 +66,17 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     return plan, extra
 
 
-def _deepspeed_logs_to_stderr() -> None:
-    """Keep stdout machine-readable: DeepSpeed's logger writes to stdout, even at import time."""
-    import contextlib
-    import logging
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
+
+def _quiet_deepspeed_logs() -> None:
+    """Keep stdout machine-readable and DeepSpeed's log below ERROR out of `dsrl plan`: its logger writes
+    to stdout, even at import time (where it announces the accelerator it picked, which the plan shows
+    as a row). Its warnings during validation are dsrl's errors (dsrl.ds_validation)."""
+    import contextlib
+
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)  # the same object once: added at most once
     with contextlib.redirect_stdout(sys.stderr):
         from deepspeed.utils.logging import logger
     for handler in logger.handlers:
@@ -78,7 +94,7 @@ def cmd_plan(argv: list[str]) -> int:
                              "to estimate micro-batches per step and padding")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = parser.parse_known_args(argv)
-    _deepspeed_logs_to_stderr()
+    _quiet_deepspeed_logs()
     cfg = load_config(args.ds_config, parse_override_args(rest))
     lengths = None
     if args.lengths:
@@ -92,6 +108,7 @@ def cmd_plan(argv: list[str]) -> int:
     rows = plan.describe()
     ds = plan.deepspeed_batch_fields()
     rows += [
+        ("ds_config validated for", f"the {extra['accelerator']} accelerator (DeepSpeed's own config classes)"),
         ("DeepSpeed train_batch_size", str(ds["train_batch_size"])),
         ("DeepSpeed train_micro_batch_size_per_gpu", str(ds["train_micro_batch_size_per_gpu"] or "varies")),
         ("DeepSpeed gradient_accumulation_steps", str(ds["gradient_accumulation_steps"] or "varies")),

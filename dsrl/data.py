@@ -19,12 +19,12 @@ import math
 import os
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from dsrl.config import ConfigError, DataConfig
+from dsrl.names import PROMPT_FILE_FORMATS
 
 RewardFn = Callable[[list[str], list[str], list[Any]], list[float]]
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -33,34 +33,13 @@ FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def _check_source(data_cfg: DataConfig) -> str:
-    """'task' or 'path'; raises ConfigError unless exactly one source is set and usable."""
-    if data_cfg.task and data_cfg.path:
-        raise ConfigError(
-            f"dsrl.data.task = {data_cfg.task!r} and dsrl.data.path = {data_cfg.path!r} are both set; prompts "
-            "come from exactly one source. Fix: set dsrl.data.task to null to read the file, or remove dsrl.data.path."
-        )
+    """'task' or 'path'. ``DataConfig`` guarantees exactly one source with a known task name or file
+    suffix; what is left to check here needs the file system: the file must exist."""
     if data_cfg.task:
-        from dsrl.tasks import get_task
-
-        get_task(data_cfg.task)
-        if not isinstance(data_cfg.size, int) or data_cfg.size <= 0:
-            raise ConfigError(f"dsrl.data.size = {data_cfg.size!r} must be a positive number of prompts.")
         return "task"
-    if data_cfg.path:
-        path = data_cfg.path
-        ext = os.path.splitext(path)[1].lower()
-        if ext not in FILE_FORMATS:
-            raise ConfigError(
-                f"dsrl.data.path = {path!r}: unsupported file type {ext or '(none)'!r}. "
-                f"Fix: use one of {', '.join(FILE_FORMATS)}."
-            )
-        if not os.path.isfile(path):
-            raise ConfigError(f"dsrl.data.path = {path!r}: no such file (working directory {os.getcwd()}).")
-        return "path"
-    raise ConfigError(
-        "dsrl.data: no prompt source. Fix: set dsrl.data.task (reverse | copy | add) or dsrl.data.path (a local "
-        ".jsonl/.json/.parquet file)."
-    )
+    if not os.path.isfile(data_cfg.path):
+        raise ConfigError(f"dsrl.data.path = {data_cfg.path!r}: no such file (working directory {os.getcwd()}).")
+    return "path"
 
 
 def _read_file(data_cfg: DataConfig) -> Any:
@@ -68,7 +47,7 @@ def _read_file(data_cfg: DataConfig) -> Any:
     import datasets
 
     path = data_cfg.path
-    builder = FILE_FORMATS[os.path.splitext(path)[1].lower()]
+    builder = PROMPT_FILE_FORMATS[os.path.splitext(path)[1].lower()]
     try:
         return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train")
     except Exception as e:  # datasets raises many types; all are reported against the field
@@ -209,13 +188,7 @@ def load_reward_fn(data_cfg: DataConfig) -> RewardFn:
     """The run's reward: ``data.reward_fn`` when set, else the built-in task's partial-credit reward."""
     if data_cfg.reward_fn:
         return as_batched(import_object(data_cfg.reward_fn))
-    if _check_source(data_cfg) == "path":
-        raise ConfigError(
-            f"dsrl.data.reward_fn is unset but prompts come from dsrl.data.path = {data_cfg.path!r}, which has no "
-            "built-in reward. Fix: set dsrl.data.reward_fn to 'package.module:function' taking "
-            "(prompts, completions, answers) and returning one float per completion."
-        )
-    from dsrl.tasks import get_task
+    from dsrl.tasks import get_task  # no reward_fn: DataConfig guarantees a built-in task
 
     return as_batched(get_task(data_cfg.task).rewards)
 
@@ -243,8 +216,6 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, c
     tokens) is tokenized without adding any. Truncation keeps the *end* of the prompt; a leading
     bos survives truncation (bos + the last ``max_prompt_tokens - 1`` tokens).
     """
-    if max_prompt_tokens <= 0:
-        raise ConfigError(f"dsrl.data.max_prompt_tokens = {max_prompt_tokens} must be positive.")
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
@@ -278,17 +249,14 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, c
 # --------------------------------------------------------------------------------------------
 
 
-def rollouts_for_epochs(epochs: float, num_prompts: int, prompts_per_rollout: int, last_rollout: str) -> int:
+def rollouts_for_epochs(epochs: float, num_prompts: int, prompts_per_rollout: int,
+                        last_rollout: Literal["drop", "wrap"]) -> int:
     """Rollouts that ``run.epochs`` gives; the same rule as :meth:`dsrl.plan.BatchPlan.from_config`.
 
     ``drop``: floor(epochs * N / P); ``wrap``: ceil(epochs * N / P) (tolerance 1e-9 either way).
     """
     exact = epochs * num_prompts / prompts_per_rollout
-    if last_rollout == "drop":
-        return math.floor(exact + 1e-9)
-    if last_rollout == "wrap":
-        return math.ceil(exact - 1e-9)
-    raise ConfigError(f"dsrl.run.last_rollout = {last_rollout!r} must be 'drop' or 'wrap'.")
+    return math.floor(exact + 1e-9) if last_rollout == "drop" else math.ceil(exact - 1e-9)
 
 
 class PromptSampler:
@@ -307,13 +275,11 @@ class PromptSampler:
     rollout completing itself from the start of the next pass.
     """
 
-    def __init__(self, num_prompts: int, prompts_per_rollout: int, seed: int = 0, last_rollout: str = "drop"):
+    def __init__(self, num_prompts: int, prompts_per_rollout: int, seed: int = 0,
+                 last_rollout: Literal["drop", "wrap"] = "drop"):
+        # prompts_per_rollout and last_rollout come validated from the config; the data may still be empty.
         if num_prompts <= 0:
             raise ConfigError(f"the prompt dataset is empty (N = {num_prompts}); check dsrl.data.")
-        if prompts_per_rollout <= 0:
-            raise ConfigError(f"dsrl.batch.prompts_per_rollout = {prompts_per_rollout} must be positive.")
-        if last_rollout not in ("drop", "wrap"):
-            raise ConfigError(f"dsrl.run.last_rollout = {last_rollout!r} must be 'drop' or 'wrap'.")
         self.num_prompts = num_prompts
         self.prompts_per_rollout = prompts_per_rollout
         self.seed = seed

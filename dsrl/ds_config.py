@@ -1,19 +1,25 @@
 """The ds_config DeepSpeed is allowed to see, derived from the run file and the batch plan.
 
 Invariants (architecture §7): the result never contains the ``"dsrl"`` or ``"scheduler"`` sections
-or any ``"auto"``; it always sets ``gradient_clipping`` explicitly, runs with
+or any ``"auto"``; it always sets ``gradient_clipping`` explicitly (a finite number >= 0), runs with
 ``managed_gradient_accumulation: false`` and ``gradient_accumulation_steps: 1``, accumulates and
-communicates gradients in fp32 under bf16/fp16 unless the user chose otherwise, and rejects the
-combinations step-owned accumulation cannot run (overlap_comm on ZeRO-0/1, the pipeline engine).
+communicates gradients in fp32 under bf16/fp16 unless the user chose otherwise, and rejects what
+DeepSpeed accepts but dsrl cannot run (the pipeline engine) or would run wrong (a user-managed
+accumulation boundary). Everything DeepSpeed itself rejects is found by DeepSpeed's own classes on
+the result (:mod:`dsrl.ds_validation`), not by rules copied here.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any
 
-from dsrl.config import DEFAULT_GRADIENT_CLIPPING, DS_BATCH_KEYS, Config, ConfigError
+from dsrl.config import DS_BATCH_KEYS, Config, ConfigError
+
+# DeepSpeed >= 0.19 clips at 1.0 when gradient_clipping is omitted; dsrl always states it explicitly.
+DEFAULT_GRADIENT_CLIPPING = 1.0
 
 _AUTO_DROPPING_SECTIONS = ("zero_optimization", "bf16", "fp16", "data_types", "activation_checkpointing")
 
@@ -33,6 +39,17 @@ def _resolve_enabled(section: dict[str, Any] | None, default: bool) -> bool:
         return False
     value = section.get("enabled", False)
     return default if value == "auto" else bool(value)
+
+
+def sequence_parallel_size(ds_config: dict[str, Any]) -> int:
+    """``sequence_parallel_size`` (Ulysses; read by dsrl and deepspeed.initialize, not DeepSpeedConfig)."""
+    sp = ds_config.get("sequence_parallel_size", 1)
+    if sp is None:
+        return 1
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp <= 0:
+        raise ConfigError(f"ds_config sequence_parallel_size = {sp!r} must be a positive integer (1 = off). "
+                          "Fix: set it to the number of ranks that share one sequence.")
+    return sp
 
 
 def resolve_deepspeed_config(
@@ -64,8 +81,12 @@ def resolve_deepspeed_config(
     clip = ds.get("gradient_clipping", "auto")
     if clip in ("auto", None):
         clip = DEFAULT_GRADIENT_CLIPPING
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
-        raise ConfigError(f"ds_config gradient_clipping = {clip!r} must be a number >= 0 (0 = no clipping).")
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+        # DeepSpeed reads it unchecked: a string fails mid-step, NaN would put NaN into the weights.
+        raise ConfigError(
+            f"ds_config gradient_clipping = {clip!r} must be a finite number >= 0 (0 = no clipping). "
+            f"Fix: set gradient_clipping to e.g. {DEFAULT_GRADIENT_CLIPPING}."
+        )
     ds["gradient_clipping"] = float(clip)
 
     if bf16_supported is None:
@@ -75,42 +96,27 @@ def resolve_deepspeed_config(
             ds[name]["enabled"] = _resolve_enabled(ds[name], default)
     bf16 = _resolve_enabled(ds.get("bf16"), False)
     fp16 = _resolve_enabled(ds.get("fp16"), False)
-    if bf16 and fp16:
-        raise ConfigError("ds_config: bf16.enabled and fp16.enabled are both true. Fix: enable at most one.")
-    if fp16 and not on_gpu:
-        raise ConfigError("ds_config fp16.enabled = true: the CPU accelerator has no fp16 training. Fix: use bf16.")
     if bf16 or fp16:
         # Exactness: accumulate and communicate gradients in fp32 unless the user chose otherwise.
-        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+        if isinstance(ds.setdefault("data_types", {}), dict):
+            ds["data_types"].setdefault("grad_accum_dtype", "fp32")
         ds.setdefault("communication_data_type", "fp32")
 
-    zero = ds.get("zero_optimization", {}) or {}
-    stage = zero.get("stage", 0)
-    if stage == "auto":
-        stage = zero["stage"] = 0
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"ds_config zero_optimization.stage = {stage!r} must be 0, 1, 2 or 3.")
-    if zero.get("overlap_comm") is True and stage in (0, 1):
-        raise ConfigError(
-            f"ds_config zero_optimization.overlap_comm = true with stage {stage}: with dsrl's step-owned "
-            "accumulation DeepSpeed only overlaps on ZeRO-2 (stage 1 would apply unaveraged gradients). "
-            "Fix: set overlap_comm to false, or use stage 2."
-        )
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, dict) and zero.get("stage") == "auto":
+        zero["stage"] = 0
     if "pipeline" in ds:
         raise ConfigError(
             "ds_config pipeline: DeepSpeed's pipeline engine cannot run step-owned accumulation. "
             "Fix: remove the pipeline section; for pipeline parallelism embed dsrl in Megatron (docs/megatron.md)."
         )
-    if ds.get("gradient_allreduce_op", "mean") not in ("mean", "sum"):
-        raise ConfigError(
-            f"ds_config gradient_allreduce_op = {ds['gradient_allreduce_op']!r} must be 'mean' or 'sum'."
-        )
 
     if not on_gpu:
         opt = ds.get("optimizer")
-        if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        if (isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw")
+                and isinstance(opt.setdefault("params", {}), dict)):
             # DeepSpeed would JIT-build CPUAdam; the torch implementation is exact and builds nothing.
-            opt.setdefault("params", {}).setdefault("torch_adam", True)
+            opt["params"].setdefault("torch_adam", True)
 
     for section in ("tensorboard", "csv_monitor"):
         # An enabled monitor without a path writes under the run's output directory, not the cwd.

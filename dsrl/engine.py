@@ -28,11 +28,10 @@ import torch.distributed as dist
 from dsrl import checkpoint as ckpt
 from dsrl import cpu_shm
 from dsrl.config import Config, ConfigError, load_config
-from dsrl.ds_config import resolve_deepspeed_config
-from dsrl.loss import SEQ_MEAN_TOKEN_SUM_NORM
+from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.parallel import ParallelView, deepspeed_view
 from dsrl.plan import BatchPlan
-from dsrl.schedule import PlannedScheduler, schedule_spec
+from dsrl.schedule import PlannedScheduler
 from dsrl.step_core import Log, MicroBatch, MiniBatchCounts, StepCore, StepInputs, StepResult, Update
 
 LossFn = Callable[[Any, MicroBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
@@ -239,10 +238,8 @@ def initialize(
     ensure_distributed()
     dp = _data_parallel_size(cfg, mpu)
     plan = BatchPlan.from_config(cfg, dp, dataset_size)
-    spec = schedule_spec(cfg, plan.total_optimizer_steps)
-    if plan.loss_agg == SEQ_MEAN_TOKEN_SUM_NORM and not plan.loss_norm_length:
-        raise ConfigError("dsrl.batch.loss_agg_norm_length must be set for seq-mean-token-sum-norm")
-    ds_config = resolve_deepspeed_config(cfg, plan, on_gpu=on_gpu())
+    # The ds_config DeepSpeed will see and the LR schedule, checked by DeepSpeed's own classes first.
+    ds_config, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu(), mpu=mpu, client_optimizer=optimizer)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(

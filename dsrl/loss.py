@@ -26,11 +26,9 @@ from typing import Any
 
 import torch
 
-TOKEN_MEAN = "token-mean"
-SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
-SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
-SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
-MODES = (TOKEN_MEAN, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_SUM_NORM)
+# The mode names have one source (dsrl.names), shared with the config models and the docs.
+from dsrl.names import LOSS_AGG_MODES as MODES
+from dsrl.names import SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_SUM_NORM, TOKEN_MEAN
 
 
 @dataclass(frozen=True)

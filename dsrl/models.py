@@ -30,17 +30,15 @@ TINY_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
-TINY_ARCHS = ("llama", "qwen2")
 
 
 def resolve_dtype(dtype: str, on_gpu: bool) -> torch.dtype:
-    """The torch dtype for ``model.dtype``: auto = bfloat16 on a bf16-capable accelerator, else float32."""
+    """The torch dtype for ``model.dtype`` (validated by ModelConfig): auto = bfloat16 on a bf16-capable
+    accelerator, else float32."""
     if dtype == "float32":
         return torch.float32
     if dtype == "bfloat16":
         return torch.bfloat16
-    if dtype != "auto":
-        raise ValueError(f"model.dtype = {dtype!r} is not one of 'auto', 'float32', 'bfloat16'")
     if on_gpu:
         from deepspeed.accelerator import get_accelerator
 
@@ -51,12 +49,13 @@ def resolve_dtype(dtype: str, on_gpu: bool) -> torch.dtype:
 
 def tiny_config(arch: str, vocab_size: int, pad_token_id: int | None, bos_token_id: int | None,
                 eos_token_id: int | list[int] | None, overrides: dict[str, Any] | None = None) -> Any:
-    """The transformers config of the built-in tiny model (``TINY_DEFAULTS`` updated by ``overrides``)."""
+    """The transformers config of the built-in tiny model (``TINY_DEFAULTS`` updated by ``overrides``).
+
+    ``arch`` is one of :data:`dsrl.names.TINY_ARCHS` (``ModelConfig.arch`` admits nothing else).
+    """
     from transformers import LlamaConfig, Qwen2Config
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
-    if arch not in classes:
-        raise ValueError(f"model.arch = {arch!r} is not a tiny architecture; use one of {', '.join(TINY_ARCHS)}")
     kwargs = {**TINY_DEFAULTS, "vocab_size": vocab_size, "pad_token_id": pad_token_id,
               "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, **(overrides or {})}
     return classes[arch](**kwargs)

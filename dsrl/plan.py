@@ -63,7 +63,8 @@ class BatchPlan:
     def from_config(
         cls, cfg: Config | DsrlConfig, data_parallel_size: int, dataset_size: int | None = None
     ) -> BatchPlan:
-        """Build and validate the plan. Errors name the field, the values and the fix."""
+        """Build the plan and check what needs the data-parallel size D or the dataset size (the config
+        models checked everything else). Errors name the field, the values and the fix."""
         d = cfg.dsrl if isinstance(cfg, Config) else cfg
         b = d.batch
         D = data_parallel_size
@@ -71,14 +72,7 @@ class BatchPlan:
             raise ConfigError(f"world size: the data-parallel size D = {D!r} must be a positive integer")
         P, G, E = b.prompts_per_rollout, b.samples_per_prompt, b.epochs_per_rollout
         R = P * G
-        B = R if b.mini_batch_size == "auto" else b.mini_batch_size
-        if R % B != 0:
-            good = [x for x in _divisors(R) if x % D == 0]
-            raise ConfigError(
-                f"dsrl.batch.mini_batch_size = {B} does not divide the rollout size R = P*G = {P}*{G} = {R}; "
-                f"a rollout must split into whole optimizer steps. Fix: choose B among {good[-8:]} "
-                f"or change prompts_per_rollout/samples_per_prompt."
-            )
+        B = R if b.mini_batch_size == "auto" else b.mini_batch_size  # BatchConfig guarantees R % B == 0
         if P % D != 0:
             raise ConfigError(
                 f"dsrl.batch.prompts_per_rollout = {P} is not a multiple of the data-parallel size D = {D}; "
@@ -105,13 +99,6 @@ class BatchPlan:
             raise ConfigError(
                 f"dsrl.batch.mini_batch_size B = {B} is smaller than the data-parallel size D = {D}: some "
                 f"rank would hold no sequence in every step. Fix: B >= {D}."
-            )
-        max_len = d.data.max_prompt_tokens + d.rollout.max_new_tokens
-        if T is not None and T < max_len and not b.allow_oversize:
-            raise ConfigError(
-                f"dsrl.batch.max_tokens_per_micro_batch T = {T} is smaller than the longest possible sequence "
-                f"(data.max_prompt_tokens + rollout.max_new_tokens = {max_len}). Fix: raise T to >= {max_len} "
-                "or set dsrl.batch.allow_oversize = true to place such sequences alone."
             )
 
         loss_agg = d.loss_agg

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,14 @@ import torch
 
 from dsrl.config import Config, ConfigError
 
-DEEPSPEED_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+
+def deepspeed_schedules() -> list[str]:
+    """The schedule types DeepSpeed's own config accepts (``deepspeed.runtime.lr_schedules``)."""
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+    return list(VALID_LR_SCHEDULES)
+
+
 _HORIZON_KEY = {"WarmupDecayLR": "total_num_steps", "WarmupCosineLR": "total_num_steps"}
 _WARMUP_KEY = {"WarmupLR": "warmup_num_steps", "WarmupDecayLR": "warmup_num_steps",
                "WarmupCosineLR": "warmup_num_steps"}
@@ -42,22 +50,22 @@ class ScheduleSpec:
 def base_lr(cfg: Config) -> float | None:
     """The optimizer LR of the ds_config, when one is given."""
     opt = cfg.ds_config.get("optimizer")
-    if isinstance(opt, dict):
-        lr = opt.get("params", {}).get("lr")
-        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
-            return float(lr)
+    params = opt.get("params") if isinstance(opt, dict) else None
+    lr = params.get("lr") if isinstance(params, dict) else None
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        return float(lr)
     return None
 
 
 def schedule_spec(cfg: Config, total_steps: int) -> ScheduleSpec:
-    """Resolve and validate the schedule against the plan's horizon, before any work starts."""
+    """Resolve the schedule against the plan's horizon and check what needs that horizon.
+
+    Types and values of the parameters are checked by building the schedule on a throwaway optimizer
+    (:func:`dsrl.ds_validation.validate_schedule`); that the two schedule sources exclude each other
+    is a rule of :class:`dsrl.config.Config`.
+    """
     ds_sched = cfg.ds_config.get("scheduler")
     named = cfg.dsrl.scheduler
-    if ds_sched and named.name:
-        raise ConfigError(
-            "scheduler: both the ds_config \"scheduler\" section and dsrl.scheduler.name are set. "
-            "Fix: keep one."
-        )
     if named.name:
         warmup = named.warmup_steps
         if warmup is None:
@@ -78,12 +86,22 @@ def schedule_spec(cfg: Config, total_steps: int) -> ScheduleSpec:
     if not isinstance(ds_sched, dict) or "type" not in ds_sched:
         raise ConfigError('ds_config scheduler must look like {"type": "WarmupCosineLR", "params": {...}}')
     name = ds_sched["type"]
-    if name not in DEEPSPEED_SCHEDULES:
+    known = deepspeed_schedules()
+    if name not in known:
+        close = difflib.get_close_matches(str(name), known, n=1)
         raise ConfigError(
-            f"ds_config scheduler.type = {name!r} is not a DeepSpeed schedule ({', '.join(DEEPSPEED_SCHEDULES)}). "
-            f"Fix: use one of those, or a transformers schedule via \"dsrl\": {{\"scheduler\": {{\"name\": ...}}}}."
+            f"ds_config scheduler.type = {name!r} is not a DeepSpeed schedule ({', '.join(known)})"
+            + (f"; did you mean {close[0]!r}?" if close else ".")
+            + " Fix: use one of those, or a transformers schedule via \"dsrl\": {\"scheduler\": {\"name\": ...}}."
         )
     params = copy.deepcopy(ds_sched.get("params", {}) or {})
+    if not isinstance(params, dict):
+        raise ConfigError(f"ds_config scheduler.params = {params!r} must be a JSON object of {name} arguments.")
+    if "last_batch_iteration" in params:
+        raise ConfigError(
+            "ds_config scheduler.params.last_batch_iteration: dsrl owns the schedule's position (it advances once "
+            "per applied optimizer step and resumes from checkpoints). Fix: remove it."
+        )
     horizon_key = _HORIZON_KEY.get(name)
     if horizon_key:
         given = params.get(horizon_key, "auto")
@@ -128,8 +146,10 @@ class PlannedScheduler:
             from deepspeed.runtime import lr_schedules
 
             cls = getattr(lr_schedules, spec.name)
-            self.inner = cls(optimizer, **spec.params)
-            self.inner.step()  # index -1 -> 0: step 1 runs with the schedule's first value
+            # Start at index 0 directly: step 1 runs with the schedule's first value. (Starting at -1 and
+            # stepping once gives the same LRs, but DeepSpeed's warmup schedules warn about index -1.)
+            self.inner = cls(optimizer, **spec.params, last_batch_iteration=0)
+            self.inner.step(0)
         elif spec.source == "transformers":
             from transformers import get_scheduler
 
@@ -171,10 +191,11 @@ class PlannedScheduler:
 
 
 def lr_curve(spec: ScheduleSpec, lr: float, steps: list[int]) -> list[float]:
-    """LR used by each given (1-based) optimizer step, simulated on a throwaway optimizer."""
-    param = torch.zeros(1, requires_grad=True)
-    opt = torch.optim.SGD([param], lr=lr)
-    sched = PlannedScheduler(spec, opt)
+    """LR used by each given (1-based) optimizer step, simulated on a throwaway optimizer.
+
+    The throwaway is a torch Adam (OneCycle cycles its betas; SGD has none and DeepSpeed would warn).
+    """
+    sched = PlannedScheduler(spec, throwaway_optimizer(lr))
     out, done = [], 1
     for k in sorted(steps):
         while done < k:
@@ -182,3 +203,15 @@ def lr_curve(spec: ScheduleSpec, lr: float, steps: list[int]) -> list[float]:
             done += 1
         out.append(sched.current_lr())
     return out
+
+
+def throwaway_optimizer(lr: float, optimizer: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
+    """A one-parameter optimizer to simulate a schedule on: a copy of ``optimizer`` (its settings, not its
+    state) or a torch Adam with ``lr``. It has taken one (empty) step, as a schedule expects."""
+    if optimizer is None:
+        opt: torch.optim.Optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    else:
+        opt = copy.deepcopy(optimizer)
+        opt.zero_grad(set_to_none=True)
+    opt.step()  # no gradient: changes nothing, but torch then accepts scheduler steps without a warning
+    return opt

@@ -31,11 +31,14 @@ import torch.distributed as dist
 from dsrl import algos
 from dsrl.batching import Sample, collate, collate_packed
 from dsrl.config import Config, ConfigError, load_config
+from dsrl.ds_config import sequence_parallel_size
+from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.engine import RLEngine, ensure_distributed, initialize, on_gpu
 from dsrl.experience import ExperienceMaker, derived_seed, forward_logits
 from dsrl.loss import clipped_policy_loss, kl_estimate, token_entropy, token_logprobs
 from dsrl.metrics import MetricsWriter, rollout_record
 from dsrl.partition import mini_batches, partition_mini_batch
+from dsrl.plan import BatchPlan
 
 CHECKPOINT_SUBDIR = "checkpoints"
 log = logging.getLogger("dsrl.trainer")
@@ -71,6 +74,11 @@ class Trainer:
         self.encode = encode_prompts
         tok = self.tokenizer
         _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
+        # The whole run file, DeepSpeed half included, is checked before the model is built (initialize
+        # checks it again, cheaply, for callers that use it directly).
+        plan = BatchPlan.from_config(self.cfg, self.world // sequence_parallel_size(self.cfg.ds_config),
+                                     len(self.prompts))
+        validated_deepspeed_config(self.cfg, plan, on_gpu=self.on_gpu)
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
                             seed=d.run.seed)

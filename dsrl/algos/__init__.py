@@ -7,8 +7,9 @@ from dsrl.algos.advantages import (
     group_statistics,
     valid_rewards,
 )
-from dsrl.algos.defaults import ALGORITHM_DEFAULTS, ResolvedAlgorithm, resolve_algorithm
+from dsrl.algos.defaults import ResolvedAlgorithm, resolve_algorithm
 from dsrl.algos.filters import overlong_filter_mask, overlong_shaping, truncated, zero_variance_groups
+from dsrl.names import ALGORITHM_DEFAULTS
 
 __all__ = [
     "ALGORITHM_DEFAULTS",

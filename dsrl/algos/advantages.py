@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "dapo")
+from dsrl.names import ALGORITHM_DEFAULTS, ALGORITHM_NAMES
+
+ESTIMATORS = ALGORITHM_NAMES
 # Divide by the group std unless AlgorithmConfig.normalize_std says otherwise.
-NORMALIZE_STD_DEFAULT = {"grpo": True, "dr_grpo": False, "rloo": False, "dapo": True}
+NORMALIZE_STD_DEFAULT = {name: d["normalize_std"] for name, d in ALGORITHM_DEFAULTS.items()}
 
 
 def valid_rewards(rewards: torch.Tensor) -> torch.Tensor:

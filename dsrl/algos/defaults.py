@@ -1,33 +1,16 @@
 """Per-algorithm defaults for the ``dsrl.algorithm`` keys left unset (``null``) in the config.
 
-:data:`ALGORITHM_DEFAULTS` is the single table; ``loss_agg`` is taken from
-:data:`dsrl.config.ALGORITHM_LOSS_AGG`, which ``DsrlConfig.loss_agg`` already resolves, so the
-two can never disagree. :func:`resolve_algorithm` fills every unset key and returns concrete values.
-
-Sources: GRPO (DeepSeekMath; TRL/verl defaults), Dr. GRPO (Liu et al. 2025: no std division,
-constant-length token-sum normalisation), RLOO (Ahmadian et al. 2024: leave-one-out baseline,
-no std), DAPO (Yu et al. 2025: clip-higher 0.28, dynamic sampling, token-level loss, overlong
-shaping; the overlong *filter* is an ablation there, so it stays off).
+The table itself is :data:`dsrl.names.ALGORITHM_DEFAULTS` (one source for the config models, the
+loss aggregation default ``DsrlConfig.loss_agg``, the advantage estimators and the docs);
+:func:`resolve_algorithm` fills every unset key and returns concrete values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from dsrl.algos.advantages import NORMALIZE_STD_DEFAULT
-from dsrl.config import ALGORITHM_LOSS_AGG, AlgorithmConfig
-
-ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
-    name: {
-        "loss_agg": ALGORITHM_LOSS_AGG[name],
-        "normalize_std": NORMALIZE_STD_DEFAULT[name],
-        "clip_high": 0.28 if name == "dapo" else None,  # None = same as clip_low
-        "dynamic_sampling": name == "dapo",
-        "overlong_filter": False,
-    }
-    for name in ("grpo", "dr_grpo", "rloo", "dapo")
-}
+from dsrl.config import AlgorithmConfig
+from dsrl.names import ALGORITHM_DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -50,9 +33,10 @@ class ResolvedAlgorithm:
 
 
 def resolve_algorithm(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
-    """Concrete algorithm settings: explicit config values win, ``None`` takes the default."""
-    if cfg.name not in ALGORITHM_DEFAULTS:
-        raise ValueError(f"dsrl.algorithm.name = {cfg.name!r} is not one of {', '.join(ALGORITHM_DEFAULTS)}")
+    """Concrete algorithm settings: explicit config values win, ``None`` takes the default.
+
+    ``cfg`` is a validated :class:`AlgorithmConfig`, so ``cfg.name`` is a key of the table.
+    """
     d = ALGORITHM_DEFAULTS[cfg.name]
     clip_high = cfg.clip_high if cfg.clip_high is not None else d["clip_high"]
     return ResolvedAlgorithm(

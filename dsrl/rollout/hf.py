@@ -136,8 +136,6 @@ class HFRolloutBackend(RolloutBackend):
         self.eos = eos_ids(tokenizer, self.module)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos[0]
-        if rollout_cfg.generation_batch_size < 1 or rollout_cfg.max_new_tokens < 1:
-            raise ValueError("rollout.generation_batch_size and rollout.max_new_tokens must be >= 1")
 
     @property
     def device(self) -> torch.device:

@@ -16,7 +16,7 @@ TOL = 1e-6
 def _config(tmp_path):
     return write_json(tmp_path / "run.json", {
         "zero_optimization": {"stage": 0},
-        "dsrl": {"batch": {"prompts_per_rollout": 8, "samples_per_prompt": 1, "mini_batch_size": 8,
+        "dsrl": {"batch": {"prompts_per_rollout": 4, "samples_per_prompt": 2, "mini_batch_size": 8,
                            "micro_batch_size_per_rank": 1}, "run": {"rollouts": 1}},
     })
 

@@ -14,8 +14,9 @@ TOL = 1e-6
 def test_token_budget_split_is_exact(tmp_path):
     cfg = write_json(tmp_path / "run.json", {
         "zero_optimization": {"stage": 0},
-        "dsrl": {"batch": {"prompts_per_rollout": 8, "samples_per_prompt": 1, "mini_batch_size": 8,
-                           "max_tokens_per_micro_batch": 64}, "run": {"rollouts": 1}},
+        "dsrl": {"batch": {"prompts_per_rollout": 4, "samples_per_prompt": 2, "mini_batch_size": 8,
+                           "max_tokens_per_micro_batch": 64}, "run": {"rollouts": 1},
+                 "data": {"max_prompt_tokens": 16}},  # T = 64 holds the longest sequence, 16 + 16 tokens
     })
     out = tmp_path / "results.json"
     proc = launch(["--module", "dsrl.check", "--ds_config", str(cfg), "--zero_stages", "0,3",

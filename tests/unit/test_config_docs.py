@@ -1,21 +1,24 @@
-"""docs/configuration.md documents every "dsrl" key and is regenerated from the code."""
+"""docs/configuration.md documents every "dsrl" key and rule and is regenerated from the config models."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from conftest import REPO
 
-from dsrl.config import DsrlConfig
-from dsrl.config_docs import render
+from dsrl.config_docs import render, rules
+from dsrl.config_models import DsrlConfig
+from dsrl.names import ALGORITHM_NAMES
 
 
 def test_configuration_reference_is_current():
     text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert text == render(), "docs/configuration.md is stale: run python -m dsrl.config_docs docs/configuration.md"
-    for section in dataclasses.fields(DsrlConfig):
-        assert f"## `dsrl.{section.name}`" in text
-        for f in dataclasses.fields(section.type if isinstance(section.type, type) else
-                                    type(getattr(DsrlConfig(), section.name))):
-            assert f"| `{f.name}` |" in text, (section.name, f.name)
-            assert f.metadata.get("doc"), f"dsrl.{section.name}.{f.name} has no description"
+    for name, section in DsrlConfig.model_fields.items():
+        model = section.annotation
+        assert f"## `dsrl.{name}`" in text
+        for key, info in model.model_fields.items():
+            assert f"| `{key}` |" in text, (name, key)
+            assert info.description, f"dsrl.{name}.{key} has no description"
+        for rule in rules(model):
+            assert rule in text
+    for algo in ALGORITHM_NAMES:
+        assert f"| `{algo}` |" in text

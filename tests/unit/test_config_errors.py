@@ -9,6 +9,7 @@ import pytest
 
 from dsrl.config import ConfigError, load_config, parse_override_args
 from dsrl.ds_config import resolve_deepspeed_config
+from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.plan import BatchPlan
 from dsrl.schedule import schedule_spec
 
@@ -95,7 +96,7 @@ CONFIG_AND_PLAN_ERRORS = [
      ["dsrl.batch.mini_batch_size", "micro_batch_size_per_rank", "3 * 2"]),
     ({"dsrl__batch__mini_batch_size": 8, "dsrl__batch__micro_batch_size_per_rank": None,
       "dsrl__batch__max_tokens_per_micro_batch": 512, "dsrl__batch__prompts_per_rollout": 16,
-      "dsrl__batch__samples_per_prompt": 1}, 16, ["dsrl.batch.mini_batch_size", "D = 16"]),
+      "dsrl__batch__samples_per_prompt": 2}, 16, ["dsrl.batch.mini_batch_size", "D = 16"]),
     ({"dsrl__batch__micro_batch_size_per_rank": None, "dsrl__batch__max_tokens_per_micro_batch": 32}, 2,
      ["dsrl.batch.max_tokens_per_micro_batch", "allow_oversize", "max_prompt_tokens"]),
     ({"dsrl__run__rollouts": None, "dsrl__run__epochs": 1}, 2, ["dsrl.run.epochs", "--dataset_size"]),
@@ -130,9 +131,10 @@ DEEPSPEED_ERRORS = [
     ({"managed_gradient_accumulation": True}, ["managed_gradient_accumulation", "false"]),
     ({"gradient_clipping": -1}, ["gradient_clipping"]),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, ["bf16.enabled", "fp16.enabled"]),
-    ({"fp16": {"enabled": True}}, ["fp16.enabled", "CPU"]),
+    ({"fp16": {"enabled": True}}, ["fp16.enabled", "CPU", "not supported"]),
     ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage"]),
-    ({"zero_optimization": {"stage": 1, "overlap_comm": True}}, ["overlap_comm", "stage 1"]),
+    ({"zero_optimization": {"stage": 1, "overlap_comm": True}}, ["zero_optimization.overlap_comm", '"stage": 1',
+                                                                  "only with ZeRO stage 2"]),
     ({"pipeline": {"stages": 2}}, ["pipeline", "docs/megatron.md"]),
     ({"gradient_allreduce_op": "max"}, ["gradient_allreduce_op"]),
     ({"steps_per_print": "auto"}, ["steps_per_print", "auto"]),
@@ -144,8 +146,8 @@ def test_deepspeed_section_errors_name_the_field(ds_changes, fragments):
     raw = copy.deepcopy(BASE)
     raw.update(ds_changes)
     cfg, plan = _plan(raw, 2)
-    with pytest.raises(ConfigError) as err:
-        resolve_deepspeed_config(cfg, plan, on_gpu=False)
+    with pytest.raises(ConfigError) as err:  # what dsrl.initialize and dsrl plan run (DeepSpeed's own checks)
+        validated_deepspeed_config(cfg, plan, on_gpu=False)
     for frag in fragments:
         assert frag in str(err.value), (frag, str(err.value))
 
@@ -175,9 +177,8 @@ def test_scheduler_errors_name_the_field(sched, fragments):
 def test_scheduler_both_sources_and_warmup_without_lr():
     raw = _cfg(dsrl__scheduler__name="cosine")
     raw["scheduler"] = {"type": "WarmupCosineLR", "params": {}}
-    cfg, plan = _plan(raw)
-    with pytest.raises(ConfigError, match="dsrl.scheduler.name"):
-        schedule_spec(cfg, plan.total_optimizer_steps)
+    with pytest.raises(ConfigError, match="dsrl.scheduler.name"):  # a rule of the run file (dsrl.config.Config)
+        load_config(raw)
     raw = _cfg(dsrl__scheduler__name="cosine", dsrl__scheduler__warmup_steps=6)
     cfg, plan = _plan(raw)
     with pytest.raises(ConfigError, match="warmup_steps"):

@@ -26,6 +26,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 JSONL = str(DATA / "prompts.jsonl")
 PARQUET = str(DATA / "prompts.parquet")
 FIXTURE = str(DATA / "reward_fixture.py")
+REWARD = "reward_fixture:exact_batched"  # a file needs a reward_fn; only its presence is checked here
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_task_prompts_and_size():
 
 @pytest.mark.parametrize("path,prompt_key,answer_key", [(JSONL, "question", "solution"), (PARQUET, "text", "answer")])
 def test_file_prompts(path, prompt_key, answer_key):
-    cfg = DataConfig(task=None, path=path, prompt_key=prompt_key, answer_key=answer_key)
+    cfg = DataConfig(task=None, path=path, prompt_key=prompt_key, answer_key=answer_key, reward_fn=REWARD)
     prompts = load_prompts(cfg, seed=0)
     assert dataset_size(cfg) == len(prompts) == 5
     assert prompts[0] == {"prompt": "copy: ab =", "answer": "ab"}
@@ -141,26 +142,26 @@ def test_file_prompts(path, prompt_key, answer_key):
 def test_json_array_file(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps([{"prompt": "copy: a =", "answer": "a"}, {"prompt": "copy: b =", "answer": "b"}]))
-    assert load_prompts(DataConfig(task=None, path=str(f)), 0)[1] == {"prompt": "copy: b =", "answer": "b"}
+    assert load_prompts(DataConfig(path=str(f), reward_fn=REWARD), 0)[1] == {"prompt": "copy: b =", "answer": "b"}
 
 
 def test_data_errors_name_the_field(tmp_path):
+    # Rules on the settings alone are DataConfig's (raised when it is built); data.py checks the files.
     with pytest.raises(ConfigError, match=r"dsrl.data.task = 'reverse' and dsrl.data.path"):
-        load_prompts(DataConfig(task="reverse", path=JSONL), 0)
-    with pytest.raises(ConfigError, match=r"dsrl.data.path = .*no such file"):
-        dataset_size(DataConfig(task=None, path=str(tmp_path / "nope.jsonl")))
+        DataConfig(task="reverse", path=JSONL, reward_fn=REWARD)
     with pytest.raises(ConfigError, match=r"dsrl.data.path = .*unsupported file type '.csv'"):
-        load_prompts(DataConfig(task=None, path=str(tmp_path / "p.csv")), 0)
-    with pytest.raises(ConfigError, match=r"dsrl.data.prompt_key = 'prompt': no such column .*question"):
-        load_prompts(DataConfig(task=None, path=JSONL), 0)
-    with pytest.raises(ConfigError, match=r"dsrl.data.answer_key = 'answer'"):
-        load_prompts(DataConfig(task=None, path=JSONL, prompt_key="question"), 0)
-    with pytest.raises(ConfigError, match=r"dsrl.data.task .* or dsrl.data.path"):
-        load_prompts(DataConfig(task=None), 0)
+        DataConfig(task=None, path=str(tmp_path / "p.csv"), reward_fn=REWARD)
     with pytest.raises(ConfigError, match=r"dsrl.data.size"):
-        dataset_size(DataConfig(task="add", size=0))
+        DataConfig(task="add", size=0)
+    assert DataConfig(task=None).task == "reverse"  # no source given: the built-in default task
+    with pytest.raises(ConfigError, match=r"dsrl.data.path = .*no such file"):
+        dataset_size(DataConfig(task=None, path=str(tmp_path / "nope.jsonl"), reward_fn=REWARD))
+    with pytest.raises(ConfigError, match=r"dsrl.data.prompt_key = 'prompt': no such column .*question"):
+        load_prompts(DataConfig(task=None, path=JSONL, reward_fn=REWARD), 0)
+    with pytest.raises(ConfigError, match=r"dsrl.data.answer_key = 'answer'"):
+        load_prompts(DataConfig(task=None, path=JSONL, prompt_key="question", reward_fn=REWARD), 0)
     with pytest.raises(ConfigError, match=r"dsrl.data.prompt_key = 'id': row 0"):
-        load_prompts(DataConfig(task=None, path=JSONL, prompt_key="id", answer_key="solution"), 0)
+        load_prompts(DataConfig(task=None, path=JSONL, prompt_key="id", answer_key="solution", reward_fn=REWARD), 0)
 
 
 # ------------------------------------------------------------------------------------ rewards
@@ -171,7 +172,7 @@ def test_task_reward_and_accuracy_fns():
     reward, acc = load_reward_fn(cfg), load_accuracy_fn(cfg)
     assert reward(["p", "p", "p"], ["cba", "cbx", "zzz"], ["cba"] * 3) == pytest.approx([1.0, 0.75, 0.25])
     assert acc(["p", "p"], ["cba", "cbx"], ["cba", "cba"]) == [1.0, 0.0]
-    assert load_accuracy_fn(DataConfig(task=None, path=JSONL)) is None
+    assert load_accuracy_fn(DataConfig(task=None, path=JSONL, reward_fn=REWARD)) is None
 
 
 def test_reward_fn_dotted_paths(monkeypatch):
@@ -199,7 +200,7 @@ def test_reward_fn_errors_name_the_field(monkeypatch):
     with pytest.raises(ConfigError, match="dsrl.data.reward_fn.*returned 1 rewards for 2"):
         fn(["a", "b"], ["a", "b"], ["a", "b"])
     with pytest.raises(ConfigError, match="dsrl.data.reward_fn is unset"):
-        load_reward_fn(DataConfig(task=None, path=JSONL))
+        DataConfig(task=None, path=JSONL)
 
 
 def test_as_batched_marker():
@@ -271,9 +272,8 @@ def test_rollouts_match_plan(rule, epochs, n, p):
         assert sum(counts) >= epochs * n
 
 
-def test_sampler_rejects_bad_arguments():
-    with pytest.raises(ConfigError, match="last_rollout"):
-        PromptSampler(4, 2, 0, "pad")
+def test_sampler_rejects_an_empty_dataset():
+    # prompts_per_rollout and last_rollout are validated by the config (dsrl.batch / dsrl.run); the data is not.
     with pytest.raises(ConfigError, match="empty"):
         PromptSampler(0, 2)
 

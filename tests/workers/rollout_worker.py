@@ -99,7 +99,7 @@ def main() -> None:
         # persistence threshold 0: no parameter stays resident, so ZeRO-3 really partitions all of them
         "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
-        "dsrl": {"batch": {"prompts_per_rollout": 2 * world, "samples_per_prompt": 1, "mini_batch_size": 2 * world,
+        "dsrl": {"batch": {"prompts_per_rollout": world, "samples_per_prompt": 2, "mini_batch_size": 2 * world,
                            "micro_batch_size_per_rank": 1}, "run": {"rollouts": 1}},
     }
     engine = dsrl.initialize(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -88,7 +88,7 @@ def main():
             ref_grads = reference(model, data(), mode)
             cfg = {"zero_optimization": {"stage": stage, "reduce_scatter": rs}, "gradient_clipping": 0.0,
                    "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
-                   "dsrl": {"batch": {"prompts_per_rollout": 4, "samples_per_prompt": 1, "mini_batch_size": 4,
+                   "dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "mini_batch_size": 4,
                                       "micro_batch_size_per_rank": 2, "loss_agg": mode},
                             "run": {"rollouts": 1}}}
             eng = dsrl.initialize(model, cfg, mpu=sp_mpu)

@@ -1,0 +1,29 @@
+"""One source of names: the config models, losses, algorithms, tasks and models all use dsrl.names."""
+
+from __future__ import annotations
+
+import typing
+
+from dsrl import loss, names
+from dsrl.algos import ESTIMATORS, NORMALIZE_STD_DEFAULT
+from dsrl.config import AlgorithmConfig, BatchConfig, DataConfig, ModelConfig
+from dsrl.models import tiny_config
+from dsrl.tasks import TASKS
+
+
+def _choices(model, field):
+    ann = model.model_fields[field].annotation
+    return {a for arg in typing.get_args(ann) or (ann,) for a in typing.get_args(arg) or (arg,)} - {type(None)}
+
+
+def test_every_consumer_uses_the_same_names():
+    assert set(names.ALGORITHM_DEFAULTS) == set(names.ALGORITHM_NAMES) == set(ESTIMATORS)
+    assert _choices(AlgorithmConfig, "name") == set(names.ALGORITHM_NAMES)
+    assert loss.MODES == names.LOSS_AGG_MODES and _choices(BatchConfig, "loss_agg") == set(names.LOSS_AGG_MODES)
+    assert set(names.ALGORITHM_LOSS_AGG.values()) <= set(names.LOSS_AGG_MODES)
+    assert NORMALIZE_STD_DEFAULT == {n: d["normalize_std"] for n, d in names.ALGORITHM_DEFAULTS.items()}
+    assert set(TASKS) == set(names.TASK_NAMES) == _choices(DataConfig, "task")
+    assert names.DEFAULT_TASK in TASKS
+    assert _choices(ModelConfig, "arch") == set(names.TINY_ARCHS)
+    for arch in names.TINY_ARCHS:
+        assert tiny_config(arch, 16, 0, 1, 2).vocab_size == 16
