@@ -188,7 +188,7 @@ class DataConfig:
 class RolloutConfig:
     """Generation."""
 
-    backend: Literal["hf", "vllm"] = field(default="hf", metadata=doc("generation backend"))
+    backend: Literal["hf", "cb", "auto", "vllm"] = field(default="hf", metadata=doc("generation backend"))
     max_new_tokens: int = field(default=16, metadata=doc("completion length limit", "tokens"))
     temperature: float = field(default=1.0, metadata=doc("sampling temperature"))
     top_p: float = field(default=1.0, metadata=doc("nucleus sampling"))
