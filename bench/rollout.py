@@ -4,6 +4,7 @@ vs the ``cb`` backend (transformers continuous batching), side by side in one pr
     python bench/rollout.py             # tiny + scaled Qwen2 shapes, concurrency 8 / 32 / 128 / 512 (~15 min)
     python bench/rollout.py --quick     # tiny shape, concurrency 8 and 32, one repetition
     OMP_NUM_THREADS=2 python bench/rollout.py   # two intra-op threads (default: one, see below)
+    python bench/rollout.py --device cuda --attn flash_attention_2   # on a GPU (bf16; not run yet)
 
 Workload (the same for both backends): P prompts of 4-32 random tokens, G = 8 samples each
 (N = P * G = max(128, C) sequences), sampled at temperature 1 with ``max_new_tokens`` = 128. Completion
@@ -52,12 +53,14 @@ SHAPES = {
 }
 
 
-def long_tailed_model(shape: str, mean_len: float) -> torch.nn.Module:
+def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: str = "float32",
+                      attn: str | None = None) -> torch.nn.Module:
     """A random-weight Qwen2 whose next-token distribution is ~uniform except eos at probability 1/mean_len."""
     spec = SHAPES[shape]
     vocab = spec["vocab"]
-    model = build_model(ModelConfig(arch="qwen2", dtype="float32", tiny={**spec["tiny"], "tie_word_embeddings": False}),
-                        vocab, PAD, BOS, EOS, on_gpu=False, seed=0)
+    cfg = ModelConfig(arch="qwen2", dtype=dtype, attn_implementation=attn,
+                      tiny={**spec["tiny"], "tie_word_embeddings": False})
+    model = build_model(cfg, vocab, PAD, BOS, EOS, on_gpu=device != "cpu", seed=0)
     hidden = model.config.hidden_size
     head = torch.nn.Linear(hidden, vocab, bias=True)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -67,8 +70,8 @@ def long_tailed_model(shape: str, mean_len: float) -> torch.nn.Module:
         q = 1.0 / mean_len  # p(eos) = e^b / (e^b + V - 1)
         head.bias[EOS] = math.log(q * (vocab - 1) / (1 - q))
         head.bias[PAD] = head.bias[BOS] = -1e4
-    model.lm_head = head
-    return model.eval()
+    model.lm_head = head.to(next(model.parameters()).dtype)
+    return model.to(device).eval()
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -93,6 +96,9 @@ def main() -> None:
     ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--mean_len", type=float, default=24.0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16; default float32 on CPU, bfloat16 on GPU")
+    ap.add_argument("--attn", default=None, help="model.attn_implementation, e.g. flash_attention_2 (default sdpa)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-record", dest="no_record", action="store_true")
     args = ap.parse_args()
@@ -103,7 +109,8 @@ def main() -> None:
     tok = types.SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
     rows = []
     for shape in args.shapes:
-        model = long_tailed_model(shape, args.mean_len)
+        dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+        model = long_tailed_model(shape, args.mean_len, args.device, dtype, args.attn)
         params = sum(p.numel() for p in model.parameters()) / 1e6
         for c in args.concurrency:
             ps = prompts(max(args.sequences, c) // g, SHAPES[shape]["vocab"], seed=0)
@@ -126,7 +133,9 @@ def main() -> None:
                          f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}"])
             print(" | ".join(str(x) for x in rows[-1]), flush=True)
     body = (f"N sequences per call (N/{g} prompts x G = {g}), max_new_tokens = {args.max_new_tokens}, geometric "
-            f"completion lengths (eos probability 1/{args.mean_len:g} per step), temperature 1, float32, "
+            f"completion lengths (eos probability 1/{args.mean_len:g} per step), temperature 1, {args.device}, "
+            f"{args.dtype or ('float32' if args.device == 'cpu' else 'bfloat16')}, attention "
+            f"{model.config._attn_implementation}, "
             f"{torch.get_num_threads()} torch thread(s), transformers {transformers.__version__}, {args.repeats} "
             "interleaved rounds. tokens/s = completion "
             "tokens / wall time of one generate call (median over rounds); cb/hf = median of the per-round ratios, "

@@ -17,7 +17,12 @@ import torch
 from dsrl.config import ModelConfig, RolloutConfig
 from dsrl.models import build_model
 from dsrl.rollout import make_backend
-from dsrl.rollout.auto import CPU_CB_MAX_CONCURRENCY, AutoRolloutBackend, auto_backend_name
+from dsrl.rollout.auto import (
+    CPU_SMALL_MODEL_MAX_CB_CONCURRENCY,
+    CPU_SMALL_MODEL_PARAMETERS,
+    AutoRolloutBackend,
+    auto_backend_name,
+)
 from dsrl.rollout.cb import DENSE_MASK_BUDGET_BYTES, ContinuousBatchingBackend, cache_geometry
 from dsrl.rollout.hf import HFRolloutBackend
 
@@ -180,17 +185,22 @@ def test_cache_geometry_bounds():
 
 
 def test_make_backend_cb_and_auto():
-    """auto: cb with flash attention; on the CPU cb up to 256 concurrent sequences, hf above; hf for
-    sdpa/eager on an accelerator. The choice is per call (C = min(prompts, generation_batch_size) * G)."""
+    """auto: cb with flash attention; on the CPU cb, except hf for a model under 1 M parameters at more
+    than 256 concurrent sequences; hf for sdpa/eager on an accelerator. Chosen per call with
+    C = min(prompts, generation_batch_size) * G."""
     model = tiny()
     assert isinstance(make_backend(RolloutConfig(backend="cb"), model, TOK), ContinuousBatchingBackend)
     cfg = rollout(backend="auto", generation_batch_size=16)
     auto = make_backend(cfg, model, TOK)
-    assert isinstance(auto, AutoRolloutBackend)
+    assert isinstance(auto, AutoRolloutBackend) and auto.num_params < CPU_SMALL_MODEL_PARAMETERS
     assert auto.choose(40, 16) is auto.cb and auto.choose(40, 17) is auto.hf and auto.choose(0, 8) is auto.cb
-    assert auto_backend_name("cpu", "sdpa", CPU_CB_MAX_CONCURRENCY) == "cb"
-    assert auto_backend_name("cpu", "eager", CPU_CB_MAX_CONCURRENCY + 1) == "hf"
-    assert auto_backend_name("cuda", "flash_attention_2", 4096) == "cb"
-    assert auto_backend_name("cuda", "sdpa", 8) == "hf"
+    big, small, limit = CPU_SMALL_MODEL_PARAMETERS, CPU_SMALL_MODEL_PARAMETERS - 1, CPU_SMALL_MODEL_MAX_CB_CONCURRENCY
+    assert auto_backend_name("cpu", "sdpa", small, limit) == "cb"
+    assert auto_backend_name("cpu", "eager", small, limit + 1) == "hf"
+    assert auto_backend_name("cpu", "sdpa", big, 4096) == "cb"
+    assert auto_backend_name("cuda", "flash_attention_2", small, 4096) == "cb"
+    assert auto_backend_name("cuda", "sdpa", big, 8) == "hf"
     assert as_tuples(auto.generate(PROMPTS, 2, seed=3)) == as_tuples(
         ContinuousBatchingBackend(model, TOK, cfg).generate(PROMPTS, 2, seed=3))
+    not_hf = AutoRolloutBackend(torch.nn.Linear(2, 2), TOK, cfg)  # no continuous batching: always hf
+    assert not_hf.cb is None and not_hf.choose(1, 1) is not_hf.hf
