@@ -231,7 +231,9 @@ class RolloutConfig(Section):
 
     PATH: ClassVar[str] = "dsrl.rollout"
 
-    backend: Literal["hf", "vllm"] = setting("hf", "generation backend")
+    backend: Literal["hf", "cb", "auto", "vllm"] = setting(
+        "hf", "generation backend: hf (transformers generate), cb (transformers continuous batching), auto "
+        "(hf or cb per call, docs/rollout.md), vllm")
     max_new_tokens: int = setting(16, "completion length limit", "tokens", gt=0)
     temperature: float = setting(1.0, "sampling temperature", gt=0)
     top_p: float = setting(1.0, "nucleus sampling: keep the smallest token set whose probability reaches top_p",

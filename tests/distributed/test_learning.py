@@ -1,4 +1,5 @@
-"""The tiny default learns on 2 CPU ranks under ZeRO-2 and ZeRO-3 (a short run of the README's job)."""
+"""The tiny default learns on 2 CPU ranks under ZeRO-2 and ZeRO-3 (a short run of the README's job), also
+with the continuous-batching rollout backend."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from conftest import REPO, launch
 ROLLOUTS = 40
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_tiny_default_reward_improves(tmp_path, stage):
+@pytest.mark.parametrize("stage,backend", [(2, "hf"), (3, "hf"), (3, "cb")])
+def test_tiny_default_reward_improves(tmp_path, stage, backend):
     out = tmp_path / "run"
     run_file = tmp_path / "run.json"
     raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
@@ -19,7 +20,7 @@ def test_tiny_default_reward_improves(tmp_path, stage):
     run_file.write_text(json.dumps(raw))
     proc = launch(["launch/train.py", "--ds_config", str(run_file), "--dsrl.run.rollouts", str(ROLLOUTS),
                    "--dsrl.run.save_every", "0", "--dsrl.run.output_dir", str(out),
-                   "--dsrl.run.progress_bar", "false"], nprocs=2, timeout=900)
+                   "--dsrl.run.progress_bar", "false", "--dsrl.rollout.backend", backend], nprocs=2, timeout=900)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if r["event"] == "rollout"]
     assert len(rewards) == ROLLOUTS, proc.stdout[-2000:]

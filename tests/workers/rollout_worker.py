@@ -1,11 +1,13 @@
-"""Multi-process worker for tests/test_models_rollout.py (run with ``deepspeed --num_gpus N``).
+"""Multi-process worker for tests/distributed/test_rollout_zero3.py (run with ``deepspeed --num_gpus N``).
 
 Builds the tiny model on every rank, keeps a plain copy, wraps the original in a ZeRO-``--stage``
-RLEngine and has the ranks generate *different* amounts (rank r: 3 - 2r prompts, max_new_tokens
-12 - 7r, then a round where the last rank has no prompt at all). Rank 0 writes a JSON report with,
-per rank: whether each engine generation equals the plain module's with the same seed, the number
-of collectives issued inside each generate call, whether the parameters were re-partitioned, and
-whether a training step after generation still works. ``--hooks_probe`` also counts the collectives
+RLEngine and has the ranks generate with the ``--backend`` rollout backend (hf or cb) *different*
+amounts (rank r: 3 - 2r prompts, max_new_tokens 12 - 7r, then a round where the last rank has no
+prompt at all), then the same prompts with the same seed on every rank. Rank 0 writes a JSON report
+with, per rank: whether each engine generation equals the plain module's with the same seed, the
+number of collectives issued inside each generate call, the completions of the identical round (they
+must not depend on the rank), whether the parameters were re-partitioned, and whether a training
+step after generation still works. ``--hooks_probe`` also counts the collectives
 of one generate call with the ZeRO-3 hooks left active inside ``GatheredParameters`` (same work on
 every rank, so it cannot hang), to show why the backend suspends them; ``--keep_zero3_hooks`` runs
 the uneven rounds with the hooks active (expected to fail: gloo error here, a hang on NCCL).
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--arch", default="qwen2")
+    parser.add_argument("--backend", default="hf", choices=["hf", "cb"])
     parser.add_argument("--hooks_probe", action="store_true")
     parser.add_argument("--keep_zero3_hooks", action="store_true")
     parser.add_argument("--local_rank", type=int, default=0)
@@ -85,6 +88,7 @@ def main() -> None:
     from dsrl.config import ModelConfig, RolloutConfig
     from dsrl.engine import ensure_distributed
     from dsrl.models import build_model, frozen_copy
+    from dsrl.rollout.cb import ContinuousBatchingBackend
     from dsrl.rollout.hf import HFRolloutBackend
 
     if args.keep_zero3_hooks:
@@ -111,8 +115,9 @@ def main() -> None:
     rounds = [(prompts, 3, 11 + rank), (prompts[:1] if rank < world - 1 else [], 2, 5)]
 
     counter = CollectiveCounter()
-    z3 = HFRolloutBackend(engine, tok, rollout)
-    ref = HFRolloutBackend(plain, tok, rollout)
+    backend_cls = {"hf": HFRolloutBackend, "cb": ContinuousBatchingBackend}[args.backend]
+    z3 = backend_cls(engine, tok, rollout)
+    ref = backend_cls(plain, tok, rollout)
     report: dict[str, Any] = {"rank": rank, "rounds": []}
     if args.hooks_probe and args.stage == 3:
         # Before any training step (the first rollout of a run), identical work on every rank (same prompt,
@@ -146,6 +151,9 @@ def main() -> None:
             "tokens": sum(len(c.completion_ids) for c in got), "collectives": counter.calls - before,
             "training_mode_restored": engine.module.training,
         })
+    # identical work (prompts, settings, seed) on every rank
+    same = backend_cls(engine, tok, RolloutConfig(max_new_tokens=8)).generate([[BOS, 4, 5], [BOS, 6]], 3, seed=9)
+    report["same_work"] = as_lists(same)
     report["partitioned_after"] = all_partitioned(engine.module) if args.stage == 3 else None
     report["persistent_params"] = sum(bool(getattr(p, "ds_persist", False)) for p in engine.module.parameters())
 

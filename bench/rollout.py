@@ -1,0 +1,149 @@
+"""Rollout generation throughput: the ``hf`` backend (transformers ``generate``, static padded batches)
+vs the ``cb`` backend (transformers continuous batching), side by side in one process.
+
+    python bench/rollout.py             # tiny + scaled Qwen2 shapes, concurrency 8 / 32 / 128 / 512 (~15 min)
+    python bench/rollout.py --quick     # tiny shape, concurrency 8 and 32, one repetition
+    OMP_NUM_THREADS=2 python bench/rollout.py   # two intra-op threads (default: one, see below)
+    python bench/rollout.py --device cuda --attn flash_attention_2   # on a GPU (bf16; not run yet)
+
+Workload (the same for both backends): P prompts of 4-32 random tokens, G = 8 samples each
+(N = P * G = max(128, C) sequences), sampled at temperature 1 with ``max_new_tokens`` = 128. Completion
+lengths are long-tailed on purpose: the model's head gets a bias that gives the eos token a constant
+probability ~1/24 per step (the other logits stay near 0), so lengths are geometric (mean ~24) and
+a few run to the limit, the shape that makes a static batch decode padding until its longest member
+ends. Concurrency C = ``generation_batch_size`` * G is the number of sequences decoded at once
+(``hf``: one padded batch of C rows; ``cb``: at most C sequences per forward, refilled as others
+finish), so both hold the same KV memory.
+
+Per (shape, C): ``--repeats`` rounds, each running hf then cb on the same model, prompts and seed;
+tokens/s = completion tokens generated / wall time of the ``generate`` call (all per-call costs
+included: cb builds and tears down its paged cache and thread every call). The ratio column is the
+median over rounds of cb/hf within a round. Nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+import types
+
+# One intra-op thread unless told otherwise: on a shared 2-core machine two OpenMP threads spin-wait
+# for each other and small ops slow down by up to 10x at random, which would swamp the comparison.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from _common import report, table  # noqa: E402
+
+from dsrl.config import ModelConfig, RolloutConfig  # noqa: E402
+from dsrl.models import build_model  # noqa: E402
+from dsrl.rollout.cb import ContinuousBatchingBackend  # noqa: E402
+from dsrl.rollout.hf import HFRolloutBackend  # noqa: E402
+
+PAD, BOS, EOS = 0, 1, 2
+SHAPES = {
+    # dsrl's built-in tiny model (dsrl.models.TINY_DEFAULTS) with a 512-token vocabulary
+    "tiny": {"vocab": 512, "tiny": {}},
+    # a scaled-up Qwen2 shape that still decodes 128 sequences on 2 CPU cores in seconds (~17 M parameters)
+    "scaled": {"vocab": 8192, "tiny": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)},
+}
+
+
+def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: str = "float32",
+                      attn: str | None = None) -> torch.nn.Module:
+    """A random-weight Qwen2 whose next-token distribution is ~uniform except eos at probability 1/mean_len."""
+    spec = SHAPES[shape]
+    vocab = spec["vocab"]
+    cfg = ModelConfig(arch="qwen2", dtype=dtype, attn_implementation=attn,
+                      tiny={**spec["tiny"], "tie_word_embeddings": False})
+    model = build_model(cfg, vocab, PAD, BOS, EOS, on_gpu=device != "cpu", seed=0)
+    hidden = model.config.hidden_size
+    head = torch.nn.Linear(hidden, vocab, bias=True)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        head.weight.normal_(0.0, 0.02 / math.sqrt(hidden))  # logits ~0: uniform over the non-eos tokens
+        head.bias.zero_()
+        q = 1.0 / mean_len  # p(eos) = e^b / (e^b + V - 1)
+        head.bias[EOS] = math.log(q * (vocab - 1) / (1 - q))
+        head.bias[PAD] = head.bias[BOS] = -1e4
+    model.lm_head = head.to(next(model.parameters()).dtype)
+    return model.to(device).eval()
+
+
+def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(4, 33, (n,), generator=g).tolist()
+    return [[BOS] + torch.randint(3, vocab, (k - 1,), generator=g).tolist() for k in lens]
+
+
+def timed(backend, ps: list[list[int]], g: int, seed: int) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    out = backend.generate(ps, g, seed=seed)
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[8, 32, 128, 512])
+    ap.add_argument("--samples_per_prompt", type=int, default=8)
+    ap.add_argument("--sequences", type=int, default=128,
+                    help="N = prompts * samples_per_prompt per call (at least the concurrency)")
+    ap.add_argument("--max_new_tokens", type=int, default=128)
+    ap.add_argument("--mean_len", type=float, default=24.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16; default float32 on CPU, bfloat16 on GPU")
+    ap.add_argument("--attn", default=None, help="model.attn_implementation, e.g. flash_attention_2 (default sdpa)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-record", dest="no_record", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.shapes, args.concurrency, args.repeats = ["tiny"], [8, 32], 1
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    g = args.samples_per_prompt
+    tok = types.SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
+    rows = []
+    for shape in args.shapes:
+        dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+        model = long_tailed_model(shape, args.mean_len, args.device, dtype, args.attn)
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        for c in args.concurrency:
+            ps = prompts(max(args.sequences, c) // g, SHAPES[shape]["vocab"], seed=0)
+            cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                generation_batch_size=max(1, c // g))
+            hf, cb = HFRolloutBackend(model, tok, cfg), ContinuousBatchingBackend(model, tok, cfg)
+            timed(cb, ps[:1], 1, seed=0)  # first-call imports/allocations out of the measurement
+            rates: dict[str, list[float]] = {"hf": [], "cb": []}
+            lengths: list[int] = []
+            for r in range(args.repeats):
+                for name, be in (("hf", hf), ("cb", cb)):
+                    s, out = timed(be, ps, g, seed=100 + r)
+                    n_tok = sum(len(o.completion_ids) for o in out)
+                    rates[name].append(n_tok / s)
+                    lengths += [len(o.completion_ids) for o in out]
+            ratios = [b / a for a, b in zip(rates["hf"], rates["cb"])]
+            trunc = sum(n == args.max_new_tokens for n in lengths) / len(lengths)
+            rows.append([shape, f"{params:.1f} M", c, len(ps) * g, f"{statistics.mean(lengths):.1f}", f"{trunc:.1%}",
+                         f"{statistics.median(rates['hf']):.0f}", f"{statistics.median(rates['cb']):.0f}",
+                         f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}"])
+            print(" | ".join(str(x) for x in rows[-1]), flush=True)
+    body = (f"N sequences per call (N/{g} prompts x G = {g}), max_new_tokens = {args.max_new_tokens}, geometric "
+            f"completion lengths (eos probability 1/{args.mean_len:g} per step), temperature 1, {args.device}, "
+            f"{args.dtype or ('float32' if args.device == 'cpu' else 'bfloat16')}, attention "
+            f"{model.config._attn_implementation}, "
+            f"{torch.get_num_threads()} torch thread(s), transformers {transformers.__version__}, {args.repeats} "
+            "interleaved rounds. tokens/s = completion "
+            "tokens / wall time of one generate call (median over rounds); cb/hf = median of the per-round ratios, "
+            "then their range.\n\n")
+    body += table(["shape", "params", "C", "N", "mean len", "truncated", "hf tok/s", "cb tok/s", "cb/hf",
+                   "cb/hf range"], rows)
+    report("Rollout generation: hf generate vs continuous batching (bench/rollout.py)", body, args.no_record)
+
+
+if __name__ == "__main__":
+    main()

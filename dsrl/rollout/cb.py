@@ -1,0 +1,275 @@
+"""Generation with transformers' continuous batching (paged attention) on the policy itself.
+
+The engine behind ``model.generate_batch`` (transformers 5.x): a scheduler admits sequences into a
+paged KV cache and packs the active ones into one forward per step, so a finished sequence frees its
+slot at once instead of riding along as padding until the longest one of a static batch ends. Same
+contract as the ``hf`` backend (:mod:`dsrl.rollout.base`, :mod:`dsrl.rollout.hf`):
+
+- one call drives one manager through transformers' manager API, the steps ``generate_batch`` takes
+  (``init_continuous_batching`` -> ``warmup`` -> ``add_request`` ... -> ``start`` -> ``get_result`` ->
+  ``stop`` -> ``destroy``), with one difference that makes sampling reproducible: every request is
+  queued *before* the generation thread starts, so the first scheduling step sees all of them whatever
+  the thread timing (``generate_batch`` starts the thread first and then queues). The thread is joined
+  and the paged cache dropped before ``generate`` returns, on every path, so repeated calls leak
+  neither threads nor memory;
+- G samples of a prompt are G independent requests, each sampled on its own; completions come back
+  grouped per prompt in prompt order, cut at the first eos (kept);
+- reproducible from ``seed``: the cache geometry is a function of the workload and the settings only
+  (:func:`cache_geometry`, never of free memory) and the sampler's generator is seeded with ``seed``
+  (transformers adds the data-parallel rank to its seed; the backend subtracts it so the result does
+  not depend on the rank). The batched sampler draws one multinomial over all sequences of a step, so
+  samples differ from the ``hf`` backend's for the same seed, while greedy decoding gives the same
+  tokens (up to floating-point ties; tested). The torch RNG is forked: the caller's stream is untouched;
+- sampling sees only ``dsrl.rollout`` (temperature, top_p, top_k, max_new_tokens): a neutral
+  ``GenerationConfig``, and the call refuses to run if transformers would apply any other logits
+  processor or drop one of these (continuous batching drops processors it cannot run);
+- eval mode during generation; the train/eval mode, the attention implementation (eager runs as
+  ``paged|eager``) and the module's hooks are restored after. The generation thread uses the caller's
+  ``torch.get_num_threads()`` (OpenMP thread counts are per thread);
+- ZeRO-3: exactly as ``hf`` (:func:`dsrl.rollout.hf.gathered_for_generation`): one parameter gather per
+  call on every rank with DeepSpeed's hooks suspended, no copy of the weights, so nothing to sync. A
+  rank with no prompts still enters the gather and returns ``[]``.
+
+The attention implementation is the model's own (``model.attn_implementation``): the backend never
+lets transformers switch to a flash kernel (which could be fetched at run time). With flash attention
+transformers uses varlen kernels, CUDA graphs and asynchronous batching; with sdpa/eager it packs the
+step's sequences with a dense block-diagonal ``[batch tokens, cached tokens]`` mask, whose size
+:func:`cache_geometry` bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos
+from dsrl.rollout.hf import HFRolloutBackend, _neutral_generation_config, gathered_for_generation
+
+FLASH_PAGE_SIZE = 256  # transformers' default; flash-attn's paged kernels want multiples of 256
+DENSE_MASK_PAGE_SIZE = 32  # sdpa/eager: the mask grows with the cache tokens, so keep pages tight
+DENSE_MASK_BUDGET_BYTES = 256 * 2**20  # at most this much for the sdpa/eager attention mask
+MAX_PREFILL_TOKENS = 4096  # tokens per forward beyond one per sequence (longer prefills are chunked)
+RESULT_POLL_S = 1.0  # how often the waiting thread checks that the generation thread is alive
+INSTALL_HINT = ("rollout.backend = 'cb' needs transformers' continuous batching (ContinuousBatchingConfig, "
+                "transformers 5.x; tested with 5.23): pip install -U transformers, or use rollout.backend = 'hf'")
+
+
+def is_flash(attn_implementation: str | None) -> bool:
+    """Whether transformers runs this attention implementation without a dense mask (varlen kernels)."""
+    return "flash" in str(attn_implementation or "")
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The paged cache of one call (fields of transformers' ``ContinuousBatchingConfig``)."""
+
+    page_size: int  # tokens per page
+    num_blocks: int  # pages per layer the cache holds
+    max_batch_tokens: int  # tokens per forward
+    max_requests_per_batch: int  # sequences per forward: the concurrency
+
+
+def cache_geometry(prompt_lengths: list[int], samples_per_prompt: int, max_new_tokens: int,
+                   generation_batch_size: int, dense_mask: bool, mask_itemsize: int = 4) -> CacheGeometry:
+    """The cache of one call, a function of the workload and the settings only (so scheduling, and hence
+    the sampled tokens, never depend on free memory).
+
+    Concurrency C = ``generation_batch_size * samples_per_prompt`` sequences per forward (capped by the
+    number of requests), the KV memory the ``hf`` backend uses for one chunk: the cache holds C sequences
+    of the longest possible length, so when one call's requests fit in C (the default
+    ``generation_batch_size`` >= prompts per rank) no sequence is ever preempted. With a dense mask
+    (sdpa/eager) the mask ``[batch tokens, cached tokens + batch tokens]`` is kept under
+    ``DENSE_MASK_BUDGET_BYTES``: first by fewer prefill tokens per forward, then by a lower C.
+    """
+    requests = len(prompt_lengths) * samples_per_prompt
+    longest = max(prompt_lengths) + max_new_tokens
+    page = DENSE_MASK_PAGE_SIZE if dense_mask else FLASH_PAGE_SIZE
+    per_seq = math.ceil(longest / page) * page  # cache tokens one sequence may need
+    c = max(1, min(requests, generation_batch_size * samples_per_prompt))
+    m = max(c, min(sum(prompt_lengths) * samples_per_prompt, MAX_PREFILL_TOKENS))
+    if dense_mask:
+        budget = DENSE_MASK_BUDGET_BYTES // mask_itemsize  # mask elements
+        c = max(1, min(c, math.isqrt(budget // (per_seq + 1))))  # a decode step of C sequences: C x (C*per_seq + C)
+        n = c * per_seq
+        m_fit = (math.isqrt(n * n + 4 * budget) - n) // 2  # largest M with M * (n + M) <= budget
+        m = max(c, min(m, m_fit))
+    return CacheGeometry(page_size=page, num_blocks=c * per_seq // page, max_batch_tokens=m, max_requests_per_batch=c)
+
+
+def _same_threads_hook(threads: int) -> Any:
+    """A forward pre-hook that gives the generation thread the caller's intra-op thread count (OpenMP's
+    count is per thread: the new thread would otherwise use the OpenMP default, e.g. all cores)."""
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+    return hook
+
+
+@contextlib.contextmanager
+def _collect_only_new_objects() -> Iterator[None]:
+    """Full garbage collections inside the block scan only objects created inside it.
+
+    transformers' manager runs ``gc.collect()`` twice per generation (when it stops and when its batch
+    processor is freed), meant for the cache and CUDA graphs it just created; in a training process the
+    long-lived heap (torch, DeepSpeed, data) makes each ~0.3-0.5 s. ``gc.freeze`` parks the existing
+    objects in the permanent generation for the block (O(1)) and ``gc.unfreeze`` returns them to the oldest
+    generation after, so nothing escapes collection for longer than the call. Skipped when the process has
+    frozen objects itself (unfreezing would undo that).
+    """
+    if gc.get_freeze_count() > 0:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+class ContinuousBatchingBackend(RolloutBackend):
+    """transformers continuous batching on the policy (an RLEngine, a DeepSpeedEngine or a plain module).
+
+    Same constructor arguments and contract as :class:`dsrl.rollout.hf.HFRolloutBackend` (whose
+    unwrapping, eos/pad resolution and generation config it reuses); ``rollout.generation_batch_size``
+    bounds the prompts whose samples decode at once (:func:`cache_geometry`).
+    """
+
+    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any):
+        try:
+            from transformers import ContinuousBatchingConfig  # noqa: F401
+        except ImportError as e:
+            raise ImportError(INSTALL_HINT) from e
+        self._hf = HFRolloutBackend(engine_or_module, tokenizer, rollout_cfg)
+        self.module, self.ds_engine, self.cfg, self.eos = self._hf.module, self._hf.ds_engine, rollout_cfg, self._hf.eos
+        if not hasattr(self.module, "init_continuous_batching"):
+            raise TypeError(f"{type(self.module).__name__} is not a transformers model with continuous batching; "
+                            "use rollout.backend = 'hf'")
+
+    def continuous_batching_config(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
+                                   return_logprobs: bool = False) -> Any:
+        """transformers' ``ContinuousBatchingConfig`` of one call (geometry from :func:`cache_geometry`)."""
+        from transformers import ContinuousBatchingConfig
+
+        geometry = cache_geometry(
+            [len(p) for p in prompt_ids], samples_per_prompt, self.cfg.max_new_tokens,
+            self.cfg.generation_batch_size, dense_mask=not is_flash(self.module.config._attn_implementation),
+            mask_itemsize=next(self.module.parameters()).element_size(),
+        )
+        return ContinuousBatchingConfig(
+            **vars(geometry), return_logprobs=return_logprobs, seed=seed % 2**63, scheduler_type="fifo",
+            auto_switch_to_flash=False,  # the model's own attention, nothing fetched at run time
+            disable_nccl_graph_mixing=False,  # a tensor-parallel option; leaves the process environment alone
+        )
+
+    def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, *,
+                 return_logprobs: bool = False) -> list[Completion]:
+        """Sample ``samples_per_prompt`` completions per prompt; see :mod:`dsrl.rollout.base`.
+
+        ``return_logprobs`` (greedy, or temperature 1 without top-k/top-p: only then are the sampler's
+        log-probs those of the raw logits, as ``Completion.logprobs`` promises) gives each completion the
+        log-probs of its tokens as the sampler computed them.
+        """
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. bos)")
+        cfg = self.cfg
+        if return_logprobs and cfg.temperature > 0 and (cfg.temperature != 1.0 or cfg.top_k > 0 or cfg.top_p < 1.0):
+            raise ValueError("return_logprobs with rollout.backend = 'cb' needs greedy or temperature 1 with top_k 0 "
+                             "and top_p 1: continuous batching reports log-probs after temperature/top-k/top-p")
+        device = self._hf.device
+        rng_devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
+        was_training = self.module.training
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(gathered_for_generation(self.module, self.ds_engine))
+            if not prompt_ids:  # the gather above is collective: entered even with nothing to generate
+                return []
+            stack.enter_context(_neutral_generation_config(self.module))
+            stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
+            stack.enter_context(_collect_only_new_objects())
+            try:
+                results = self._run(prompt_ids, samples_per_prompt, seed, return_logprobs)
+            finally:
+                self.module.train(was_training)
+        eos = set(self.eos)
+        out = []
+        for i, p in enumerate(prompt_ids):
+            for j in range(samples_per_prompt):
+                r = results[f"{i}/{j}"]
+                tokens, finished = cut_at_eos(list(r.generated_tokens), eos)
+                logprobs = [float(x) for x in r.logprobs[: len(tokens)]] if return_logprobs else None
+                out.append(Completion(prompt_index=i, prompt_ids=list(p), completion_ids=tokens, finished=finished,
+                                      logprobs=logprobs))
+        return out
+
+    def _run(self, prompt_ids: list[list[int]], g: int, seed: int, return_logprobs: bool) -> dict[str, Any]:
+        """Every request through one manager: request id ``"<prompt>/<sample>"`` -> GenerationOutput."""
+        cb_cfg = self.continuous_batching_config(prompt_ids, g, seed, return_logprobs)
+        attn = self.module.config._attn_implementation
+        pin = self.module.register_forward_pre_hook(_same_threads_hook(torch.get_num_threads()))
+        manager, started, done = None, False, False
+        try:
+            manager = self.module.init_continuous_batching(generation_config=self._hf.generation_config(),
+                                                           continuous_batching_config=cb_cfg)
+            self._check_processors(manager)
+            # transformers seeds its sampler with seed + data-parallel rank: cancel the offset
+            manager.continuous_batching_config.seed = cb_cfg.seed - manager.distributed_helper.dp_rank
+            manager.warmup()  # builds the cache and seeds the sampler here, so a sizing error raises in this thread
+            expected = [f"{i}/{j}" for i in range(len(prompt_ids)) for j in range(g)]
+            for rid in expected:
+                manager.add_request(list(prompt_ids[int(rid.split("/")[0])]), request_id=rid,
+                                    max_new_tokens=self.cfg.max_new_tokens, eos_token_id=list(self.eos))
+            manager.start()
+            started = True
+            # Flush-and-stop right away: the thread drains the queue on its first step, so it finishes every
+            # request and then exits by itself (no idle polling before the join).
+            status = manager.background_thread_status
+            status.request_stop(type(status).FLUSH_AND_STOP, manager.distributed_helper.global_rank)
+            results: dict[str, Any] = {}
+            while len(results) < len(expected):
+                result = manager.get_result(timeout=RESULT_POLL_S)
+                if result is not None:
+                    if result.is_finished():
+                        results[result.request_id] = result
+                elif not manager.is_running():
+                    fatal = manager.background_thread_status.fatal_error
+                    raise RuntimeError(f"continuous batching stopped after {len(results)} of {len(expected)} "
+                                       f"requests: {fatal!r}") from fatal
+            failed = {k: r.error for k, r in results.items() if r.error is not None}
+            if failed:
+                rid, error = next(iter(failed.items()))
+                raise RuntimeError(f"continuous batching failed {len(failed)} requests, e.g. {rid}: {error}")
+            done = True
+            return results
+        finally:
+            if started:  # joins the thread; after an error without finishing the other requests
+                manager.stop(block=True, hard_stop=not done)
+            if manager is not None:
+                manager.batch_processor = None  # the paged cache and the batch buffers
+                manager.destroy()
+            pin.remove()
+            if self.module.config._attn_implementation != attn:
+                self.module.set_attn_implementation(attn)
+
+    def _check_processors(self, manager: Any) -> None:
+        """The manager applies exactly dsrl's temperature/top-k/top-p warpers, nothing else and nothing less."""
+        cfg = self.cfg
+        expected: set[str] = set()
+        if cfg.temperature > 0:
+            expected |= {"TemperatureLogitsWarper"} if cfg.temperature != 1.0 else set()
+            expected |= {"TopKLogitsWarper"} if cfg.top_k > 0 else set()
+            expected |= {"TopPLogitsWarper"} if cfg.top_p < 1.0 else set()
+        got = {type(p).__name__.replace("ContinuousBatching", "") for p in manager.logit_processor.logits_processor}
+        if got != expected:
+            raise RuntimeError(f"continuous batching would apply the logits processors {sorted(got)} instead of "
+                               f"dsrl.rollout's {sorted(expected)}; use rollout.backend = 'hf'")
