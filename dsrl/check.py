@@ -26,7 +26,7 @@ import argparse
 import copy
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -218,9 +218,14 @@ def full_parameters(engine: Any) -> dict[str, torch.Tensor]:
     return gathered(engine)
 
 
-def relative_error(update: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+def relative_error(update: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                   ref: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
                    only: Callable[[str], bool] = lambda name: True) -> float:
-    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0)."""
+    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0); tensors are
+    matched by name (mappings) or by position (sequences)."""
+    if not (isinstance(update, Mapping) and isinstance(ref, Mapping)):  # by position (parameters() order)
+        update = {str(i): t for i, t in enumerate(update.values() if isinstance(update, Mapping) else update)}
+        ref = {str(i): t for i, t in enumerate(ref.values() if isinstance(ref, Mapping) else ref)}
     if update.keys() != ref.keys():
         raise RuntimeError(f"parameter names differ from the reference: {sorted(update.keys() ^ ref.keys())}")
     worst = 0.0

@@ -291,6 +291,9 @@ def _reference_engine(ref: torch.nn.Module, rl: RLEngine, device: Any) -> Any:
     for key in ("bf16", "fp16"):
         if isinstance(ds.get(key), dict):
             cfg[key] = {"enabled": bool(ds[key].get("enabled", False))}
+    if isinstance(ds.get("tensor_parallel"), dict):
+        # AutoTP's groups are global: an engine without them fails; the reference is sharded like the policy.
+        cfg["tensor_parallel"] = dict(ds["tensor_parallel"])
     engine, *_ = deepspeed.initialize(model=ref, config=cfg)
     engine.eval()
     return engine

@@ -1,7 +1,7 @@
 """DeepSpeed AutoTP (``tensor_parallel.autotp_size``) and AutoEP (``expert_parallel``) under dsrl, on CPU ranks.
 
 - exactness (``dsrl.check``, a tiny Llama sharded by AutoTP, float64 unsharded reference, uneven
-  micro-batches): TP=2 x DP=1 on ZeRO-1/2/3 and TP=2 x DP=2 (4 ranks) on ZeRO-2/3, all four loss_agg
+  micro-batches): TP=2 x DP=1 on ZeRO-0/1/2/3 and TP=2 x DP=2 (4 ranks) on ZeRO-2/3, all four loss_agg
   modes, relative error <= 1e-6; the guard: dsrl's own step with the counts summed over the whole
   world (tensor peers counted as replicas) gives exactly half the gradient;
 - MoE: a tiny Mixtral with DeepSpeed's expert parallelism (2 experts per rank) on ZeRO-1/2/3, dense
@@ -10,7 +10,7 @@
   in lockstep even when their sampling diverges (synchronized stop);
 - the main job: ``launch/train.py`` with configs/tiny_grpo_autotp_cpu.json (AutoTP 2, ZeRO-3) learns
   the built-in task, and resuming from its mid-run checkpoint (AutoTP shards included) reproduces
-  the rest of the run bitwise.
+  the rest of the run bitwise; with a KL reference (sharded like the policy) too.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def _assert_exact(results: list[dict], stages: set[int], replicas: int) -> None:
     assert worst["error"] <= TOL, worst
 
 
-def test_autotp_tp2_dp1_exact_on_zero123_and_world_count_halves(tmp_path):
+def test_autotp_tp2_dp1_exact_on_zero0123_and_world_count_halves(tmp_path):
     results = _check(tmp_path, 2, _run_file(tmp_path, tensor_parallel={"autotp_size": 2}),
-                     "--zero_stages", "1,2,3", "--splits", "uneven", "--method", "dsrl,world_count")
-    _assert_exact(results, {1, 2, 3}, replicas=1)
+                     "--zero_stages", "0,1,2,3", "--splits", "uneven", "--method", "dsrl,world_count")
+    _assert_exact(results, {0, 1, 2, 3}, replicas=1)
     # The guard: counting over the whole world (TP peers included) doubles N_M and S_M -> half the gradient.
     # seq-mean-token-sum-norm divides by the planned B and L_norm, no count: unaffected.
     for r in results:
@@ -121,12 +121,26 @@ def test_generation_tensor_peers_identical_and_in_lockstep(tmp_path):
         assert a["train_step_applied"] and b["train_step_applied"]
 
 
-ROLLOUTS = 40
+def test_kl_reference_under_autotp_zero3(tmp_path):
+    """The frozen KL reference is an optimizer-less ZeRO-3 engine, AutoTP-sharded like the policy (an engine
+    without the tensor_parallel section fails: AutoTP's groups are global)."""
+    raw = json.loads((REPO / "configs" / "tiny_grpo_autotp_cpu.json").read_text())
+    raw["scheduler"]["params"]["warmup_num_steps"] = 1  # 2 rollouts x 2 steps
+    out = tmp_path / "out"
+    launch(["launch/train.py", "--ds_config", str(write_json(tmp_path / "run.json", raw)), "--dsrl.run.rollouts", "2",
+            "--dsrl.algorithm.kl_coef", "0.05", "--dsrl.algorithm.kl_estimator", "k3", "--dsrl.run.output_dir",
+            str(out), "--dsrl.run.progress_bar", "false", "--dsrl.run.save_final", "false"], nprocs=2, timeout=600)
+    kls = [s["kl"] for s in _rows(out, "step")]
+    assert len(kls) == 4 and abs(kls[0]) < 1e-6  # the policy equals the reference before the first update
+    assert all(k >= 0 for k in kls) and kls[-1] > 0
+
+
+ROLLOUTS, SAVE_EVERY = 40, 8  # checkpoints at 8, 16, ...; keep_last 2 leaves 32 and 40
 
 
 def _train(out, *extra: str) -> None:
     launch(["launch/train.py", "--ds_config", "configs/tiny_grpo_autotp_cpu.json", "--dsrl.run.rollouts", str(ROLLOUTS),
-            "--dsrl.run.save_every", str(ROLLOUTS // 2), "--dsrl.run.output_dir", str(out),
+            "--dsrl.run.save_every", str(SAVE_EVERY), "--dsrl.run.output_dir", str(out),
             "--dsrl.run.progress_bar", "false", *extra], nprocs=2, timeout=900)
 
 
@@ -173,15 +187,17 @@ def test_main_job_under_autotp_learns(autotp_run):
 
 
 def test_resume_under_autotp_is_bitwise(autotp_run, tmp_path):
-    """Resume from the mid-run checkpoint (ZeRO-3 partitions of both AutoTP shards) in a fresh output dir:
-    the second half reproduces the uninterrupted run's losses and final weights (both tensor shards) bitwise."""
-    half = f"rollout{ROLLOUTS // 2}"
+    """Resume from a late checkpoint of that run (ZeRO-3 partitions of both AutoTP shards, the schedule, the
+    sampler, the RNG) in a fresh output dir: the rest of the run reproduces the uninterrupted run's losses and
+    final state (model and optimizer files of both tensor shards) bitwise."""
+    start = ROLLOUTS - SAVE_EVERY
     out = tmp_path / "resumed"
-    shutil.copytree(autotp_run / "checkpoints" / half, out / "checkpoints" / half)
+    shutil.copytree(autotp_run / "checkpoints" / f"rollout{start}", out / "checkpoints" / f"rollout{start}")
     _train(out)
     got = [(s["optimizer_step"], s["loss"]) for s in _rows(out, "step")]
-    want = [(s["optimizer_step"], s["loss"]) for s in _rows(autotp_run, "step")][len(_rows(autotp_run, "step")) // 2:]
-    assert got == want
+    steps = _rows(autotp_run, "step")
+    want = [(s["optimizer_step"], s["loss"]) for s in steps][len(steps) * start // ROLLOUTS:]
+    assert got == want and len(got) > 0
     a, b = _final_state(out), _final_state(autotp_run)
     assert sorted(a) == sorted(b) == [f"zero_pp_rank_0_mp_rank_0{tp}_{kind}_states.pt" for tp in (0, 1)
                                       for kind in ("model", "optim")]
