@@ -34,7 +34,11 @@ import torch.distributed as dist
 
 from dsrl.loss import MODES
 
-LR = float(2**20)  # power of two: lr * g is exact; p_after - p_before is dominated by lr * g (even for small g)
+# Powers of two: lr * g is exact. With 2**20, p_after - p_before is dominated by lr * g even for small
+# gradients (the float32 read-back of p_after then costs ~2**-24 relative); fp16 parameters would overflow
+# (max 65504), so fp16 runs keep 2**10.
+LR = float(2**20)
+LR_FP16 = float(2**10)
 VOCAB, HIDDEN, MAX_LEN = 32, 16, 12
 MODELS = ("auto", "tiny", "llama", "qwen2", "mixtral")
 # --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
@@ -306,10 +310,12 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     model = build_model(arch)
     reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
     cfg = _check_config(ds_config, stage, mode, B)
+    fp16 = isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") in (True, "auto")
+    lr = LR_FP16 if fp16 else LR
     if expert_parallel_enabled(cfg):
-        optimizer: Any = moe_optimizer(lambda groups: torch.optim.SGD(groups, lr=LR))
+        optimizer: Any = moe_optimizer(lambda groups: torch.optim.SGD(groups, lr=lr))
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     engine = dsrl.initialize(model, cfg, optimizer=optimizer)
     replica = engine.view.data_parallel_rank
     before = full_parameters(engine.engine)
@@ -330,7 +336,7 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
             engine.view = dataclasses.replace(engine.view, count_group=None)
         metrics = engine.train_mini_batch(micros, per_token_loss)
     after = full_parameters(engine.engine)
-    update = {n: (before[n] - after[n]) / LR for n in before}
+    update = {n: (before[n] - after[n]) / lr for n in before}
     ref = reference_gradient(reference, seqs, mode, MAX_LEN)
     moe = any(is_expert(n) for n in ref)
     return {"stage": stage, "loss_agg": mode, "split": split, "method": method, "world_size": world,
@@ -383,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     results, worst = [], 0.0
     methods = args.method.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--method {','.join(unknown)}: not one of {', '.join(METHODS)}")
     arch = model_for(raw, args.model)
     for stage in stages:
         for mode in modes:

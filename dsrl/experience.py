@@ -115,10 +115,8 @@ class ExperienceMaker:
                               d.data.chat_template) if records else []
         # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
         completions = t.backend.generate(prompt_ids, t.plan.samples_per_prompt, seed=seed)
-        view = t.rl.view
-        if not is_source(view):  # tensor peers adopt the source's scored samples (replica_data rule 2)
-            return share_with_tensor_peers(view, None)
-        return share_with_tensor_peers(view, self._score(indices, records, completions))
+        # Tensor peers adopt their source's scored samples (dsrl.replica_data rule 2).
+        return share_with_tensor_peers(t.rl.view, lambda: self._score(indices, records, completions))
 
     def _score(self, indices: list[int], records: list[dict], completions: list) -> list[list[Sample]]:
         """Rewards (and accuracies) of one round's completions, as one group of samples per prompt."""

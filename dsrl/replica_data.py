@@ -23,7 +23,7 @@ identical micro-batches for the ranks of a replica, every sample counted once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -38,15 +38,16 @@ def is_source(view: ParallelView) -> bool:
     return view.tensor_parallel_rank == 0 and view.sequence_parallel_rank == 0
 
 
-def share_with_tensor_peers(view: ParallelView, obj: T) -> T:
-    """The tensor-parallel source's ``obj`` on every rank of its tensor group (rule 2); a no-op without TP.
+def share_with_tensor_peers(view: ParallelView, make: Callable[[], T]) -> T:
+    """``make()`` of the tensor-parallel source, on every rank of its tensor group (rule 2); the other
+    peers do not call ``make``. Without tensor parallelism: just ``make()``.
 
     Collective over the tensor group: every tensor peer calls it the same number of times.
     """
     if view.tensor_parallel_size <= 1:
-        return obj
+        return make()
     group = view.tensor_parallel_group
-    payload = [obj]
+    payload = [make() if view.tensor_parallel_rank == 0 else None]
     dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
     return payload[0]
 

@@ -73,7 +73,7 @@ def test_replica_data_rules_without_a_process_group():
     with pytest.raises(ValueError, match="partitioned into 3 parts"):
         my_part(_view(0, 0), [[], [], []])
     single = ParallelView(count_group=None, grad_scale=1.0, data_parallel_size=1, data_parallel_rank=0)
-    assert share_with_tensor_peers(single, {"x": 1}) == {"x": 1}  # no tensor parallelism: no collective
+    assert share_with_tensor_peers(single, lambda: {"x": 1}) == {"x": 1}  # no tensor parallelism: no collective
     assert gather_rollout(single, [1, 2]) == [1, 2]
 
 
