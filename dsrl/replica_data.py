@@ -6,13 +6,15 @@ view.data_parallel_size`` their number (:class:`dsrl.parallel.ParallelView`). Th
 
 1. prompts and generation seeds are chosen per replica (``ExperienceMaker`` slices the P prompts of
    a rollout by replica and seeds from it), so every rank of a replica generates the same thing and
-   runs the same sharded forwards in lockstep;
+   runs the same sharded forwards in lockstep (the hf backend's synchronized stop,
+   ``dsrl.rollout.hf.TensorPeersStop``, keeps tensor peers together even if their sampling drifted);
 2. one rank per replica is its *source* (tensor and sequence rank 0). After generation the tensor
    peers adopt the source's scored samples (:func:`share_with_tensor_peers`), so they hold identical
    data even if a reward function is not deterministic, and the later log-prob forwards see
    identical shapes;
 3. the rollout every rank trains on is the concatenation of the sources' samples in global rank
-   order (:func:`gather_rollout`): tensor peers never contribute duplicates;
+   order (:func:`gather_rollout`): tensor peers never contribute duplicates, and the rollout
+   statistics count only the sources' samples (``ExperienceMaker``);
 4. each mini-batch is partitioned into D parts (``dsrl.partition``) and every rank takes part
    ``view.data_parallel_rank`` (:func:`my_part`): the ranks of a replica get identical
    micro-batches, hence identical zero-weight fillers.
@@ -47,6 +49,8 @@ def share_with_tensor_peers(view: ParallelView, make: Callable[[], T]) -> T:
     if view.tensor_parallel_size <= 1:
         return make()
     group = view.tensor_parallel_group
+    if group is None:
+        raise ValueError(f"a view with tensor_parallel_size {view.tensor_parallel_size} but no tensor_parallel_group")
     payload = [make() if view.tensor_parallel_rank == 0 else None]
     dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
     return payload[0]
