@@ -9,6 +9,13 @@ The update is measured with plain SGD at a large power-of-two LR (no momentum, n
 clipping), so ``(p_before - p_after) / lr`` is the applied gradient to float32 rounding. The
 reference implements each aggregation mode from its definition, independently of dsrl.loss.
 
+The model is a tiny custom one, or a tiny Hugging Face model built from a config when the ds_config
+shards the model by name: a Llama under AutoTP (``tensor_parallel.autotp_size > 1``), a Mixtral
+(MoE) under AutoEP (``expert_parallel``) or with ``--model mixtral``. The reference is the same model,
+unsharded, in float64. Under AutoTP the mini-batch is split over the D data-parallel replicas and
+every tensor peer of a replica gets the same micro-batches; the gathered update is compared per
+parameter (dense and expert parameters alike).
+
 The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
 it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
 """
@@ -19,6 +26,7 @@ import argparse
 import copy
 import json
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,8 +34,16 @@ import torch.distributed as dist
 
 from dsrl.loss import MODES
 
-LR = 1024.0  # power of two: lr * g is exact, p_after - p_before is dominated by lr * g
+# Powers of two: lr * g is exact. With 2**20, p_after - p_before is dominated by lr * g even for small
+# gradients (the float32 read-back of p_after then costs ~2**-24 relative); fp16 parameters would overflow
+# (max 65504), so fp16 runs keep 2**10.
+LR = float(2**20)
+LR_FP16 = float(2**10)
 VOCAB, HIDDEN, MAX_LEN = 32, 16, 12
+MODELS = ("auto", "tiny", "llama", "qwen2", "mixtral")
+# --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
+# counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp)
+METHODS = ("dsrl", "naive", "world_count")
 SPLITS = ("even", "uneven", "pad_rank", "empty")
 # Accepted by --splits but not run by default: token-budget micro-batches from dsrl.partition.
 EXTRA_SPLITS = ("token_budget",)
@@ -51,9 +67,44 @@ class TinyCausalModel(torch.nn.Module):
         return self.out(torch.tanh(self.mix(h + prefix_mean)))
 
 
+def hf_model(arch: str) -> torch.nn.Module:
+    """A tiny Hugging Face causal LM from a config (no download): Llama or Qwen2 (tied embeddings, GQA), or a
+    Mixtral MoE (4 experts, top-2, eager expert loop so the float64 reference runs the same code)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0)
+    if arch in ("qwen2", "llama"):
+        cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+        config = cls(intermediate_size=2 * HIDDEN, tie_word_embeddings=True, **common)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config = MixtralConfig(intermediate_size=HIDDEN, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=False, output_router_logits=False, **common)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager")
+
+
+def build_model(arch: str) -> torch.nn.Module:
+    """The check's model, initialised from the current torch seed."""
+    return TinyCausalModel() if arch == "tiny" else hf_model(arch)
+
+
+def model_for(ds_config: dict, requested: str) -> str:
+    """``--model auto``: the tiny custom model, unless the ds_config shards the model by name (AutoTP ->
+    llama, AutoEP -> mixtral)."""
+    from dsrl.autoep import expert_parallel_enabled
+    from dsrl.autotp import tensor_parallel_size
+
+    if requested != "auto":
+        return requested
+    if expert_parallel_enabled(ds_config):
+        return "mixtral"
+    return "llama" if tensor_parallel_size(ds_config) > 1 else "tiny"
+
+
 def per_token_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
     """A policy-gradient-shaped loss: -A_seq * log pi(next token), ``[b, t]``."""
     logits = model(micro["input_ids"])
+    logits = getattr(logits, "logits", logits)  # a transformers model returns an output object
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
     return -micro["advantages"].unsqueeze(-1).to(logp.dtype) * logp
 
@@ -137,8 +188,9 @@ def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[li
     return out
 
 
-def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str, norm_length: int) -> list[torch.Tensor]:
-    """float64 gradient of the mini-batch loss, each mode computed from its definition."""
+def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str,
+                       norm_length: int) -> dict[str, torch.Tensor]:
+    """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition."""
     ref = copy.deepcopy(model).double()
     batch = collate(seqs)
     lt = per_token_loss(ref, batch)
@@ -158,28 +210,54 @@ def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str, norm
     else:
         raise ValueError(mode)
     loss.backward()
-    return [p.grad.detach().clone() for p in ref.parameters()]
+    return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in ref.named_parameters()}
 
 
-def full_parameters(engine: Any) -> list[torch.Tensor]:
-    """Full (unpartitioned) float64 copies of the module's parameters, on every rank."""
-    params = list(engine.module.parameters())
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
+def full_parameters(engine: Any) -> dict[str, torch.Tensor]:
+    """Full (unpartitioned, unsharded) float64 copies of the module's parameters by their model names,
+    on every rank (ZeRO-3 partitions, AutoTP shards and AutoEP experts reassembled)."""
+    from dsrl.autoep import full_parameters as gathered
 
-        with deepspeed.zero.GatheredParameters(params):
-            return [p.detach().double().cpu().clone() for p in params]
-    return [p.detach().double().cpu().clone() for p in params]
+    return gathered(engine)
 
 
-def relative_error(update: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0)."""
+def relative_error(update: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                   ref: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                   only: Callable[[str], bool] = lambda name: True) -> float:
+    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0); tensors are
+    matched by name (mappings) or by position (sequences)."""
+    if not (isinstance(update, Mapping) and isinstance(ref, Mapping)):  # by position (parameters() order)
+        update = {str(i): t for i, t in enumerate(update.values() if isinstance(update, Mapping) else update)}
+        ref = {str(i): t for i, t in enumerate(ref.values() if isinstance(ref, Mapping) else ref)}
+    if update.keys() != ref.keys():
+        raise RuntimeError(f"parameter names differ from the reference: {sorted(update.keys() ^ ref.keys())}")
     worst = 0.0
-    for u, r in zip(update, ref):
+    for name, r in ref.items():
+        if not only(name):
+            continue
+        u = update[name]
         denom = r.norm().item()
         err = (u - r).norm().item()
         worst = max(worst, err / denom if denom > 0 else err)
     return worst
+
+
+def worst_parameter(update: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str:
+    """The name of the parameter with the largest relative error (for the report)."""
+    return max(ref, key=lambda n: relative_error({n: update[n]}, {n: ref[n]}))
+
+
+def update_ratio(update: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """The least-squares factor f with update ~= f * reference over all parameters (1 when exact)."""
+    num = sum(float((update[n] * r).sum()) for n, r in ref.items())
+    den = sum(float((r * r).sum()) for r in ref.values())
+    return num / den if den > 0 else 1.0
+
+
+def is_expert(name: str) -> bool:
+    """Whether a (Hugging Face) parameter name is an MoE expert weight."""
+    return ".experts." in name
 
 
 def naive_step(engine: Any, micros: list[dict], n_max: int) -> None:
@@ -195,14 +273,8 @@ def naive_step(engine: Any, micros: list[dict], n_max: int) -> None:
     engine.step()
 
 
-def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, seed: int) -> dict[str, Any]:
-    import dsrl
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    B = 6 * world
-    seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty")), world, split)
-    torch.manual_seed(seed)
-    model = TinyCausalModel()
+def _check_config(ds_config: dict, stage: int, mode: str, batch: int) -> dict:
+    """The run file of one case: the user's ds_config minus optimizer/schedule/logging, plain SGD."""
     cfg = copy.deepcopy(ds_config)
     for k in ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
               "gradient_accumulation_steps", "tensorboard", "csv_monitor", "wandb", "comet"):  # no logging here
@@ -211,37 +283,71 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     cfg["zero_allow_untested_optimizer"] = True
     cfg["gradient_clipping"] = 0.0
     cfg["dsrl"] = {
-        "batch": {"prompts_per_rollout": B // 2, "samples_per_prompt": 2, "mini_batch_size": B,
+        "batch": {"prompts_per_rollout": batch // 2, "samples_per_prompt": 2, "mini_batch_size": batch,
                   "max_tokens_per_micro_batch": 4 * MAX_LEN, "allow_oversize": True, "loss_agg": mode,
                   "loss_agg_norm_length": MAX_LEN},
         "run": {"rollouts": 1},
         "data": {"max_prompt_tokens": 1},
         "rollout": {"max_new_tokens": MAX_LEN},
     }
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return cfg
+
+
+def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, seed: int,
+             arch: str = "tiny") -> dict[str, Any]:
+    import dataclasses
+
+    import dsrl
+    from dsrl.autoep import expert_parallel_enabled, expert_parallel_size, moe_optimizer
+    from dsrl.autotp import tensor_parallel_size
+    from dsrl.ds_config import data_parallel_size
+
+    world = dist.get_world_size()
+    replicas = data_parallel_size(ds_config, world)  # tensor peers of a replica get the same data
+    B = 6 * replicas
+    seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty")), replicas, split)
+    torch.manual_seed(seed)
+    model = build_model(arch)
+    reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
+    cfg = _check_config(ds_config, stage, mode, B)
+    fp16 = isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") in (True, "auto")
+    lr = LR_FP16 if fp16 else LR
+    if expert_parallel_enabled(cfg):
+        optimizer: Any = moe_optimizer(lambda groups: torch.optim.SGD(groups, lr=lr))
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     engine = dsrl.initialize(model, cfg, optimizer=optimizer)
+    replica = engine.view.data_parallel_rank
     before = full_parameters(engine.engine)
-    ref_model = TinyCausalModel()
     with torch.no_grad():
-        for p, b in zip(ref_model.parameters(), before):
-            p.copy_(b)
-    micros = [collate(part) for part in split_for_rank(seqs, world, rank, split)]
+        for name, p in reference.named_parameters():
+            p.copy_(before[name])
+    micros = [collate(part) for part in split_for_rank(seqs, replicas, replica, split)]
     dtype = next(engine.module.parameters()).dtype
     dev = engine.device
     micros = [{k: v.to(dev) for k, v in mb.items()} for mb in micros]
     for mb in micros:
         mb["advantages"] = mb["advantages"].to(dtype)
-    if method == "dsrl":
-        metrics = engine.train_mini_batch(micros, per_token_loss)
-    else:
+    metrics: Any = {}
+    if method == "naive":
         naive_step(engine.engine, micros, engine.global_counts(micros).max_micro_batches)
-        metrics = {}
+    else:
+        if method == "world_count":  # the double count dsrl must avoid: tensor peers counted as replicas
+            engine.view = dataclasses.replace(engine.view, count_group=None)
+        metrics = engine.train_mini_batch(micros, per_token_loss)
     after = full_parameters(engine.engine)
-    update = [(b - a) / LR for b, a in zip(before, after)]
-    ref = reference_gradient(ref_model, seqs, mode, MAX_LEN)
-    err = relative_error(update, ref)
+    update = {n: (before[n] - after[n]) / lr for n in before}
+    ref = reference_gradient(reference, seqs, mode, MAX_LEN)
+    moe = any(is_expert(n) for n in ref)
     return {"stage": stage, "loss_agg": mode, "split": split, "method": method, "world_size": world,
-            "error": err, "micro_batches": len(micros), "tokens": metrics.get("tokens")}
+            "replicas": replicas, "tensor_parallel_size": tensor_parallel_size(cfg), "model": arch,
+            "expert_parallel_size": expert_parallel_size(cfg),
+            "expert_parallel_layers": sum(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules()),
+            "error": relative_error(update, ref), "ratio": update_ratio(update, ref),
+            "worst_parameter": worst_parameter(update, ref),
+            "dense_error": relative_error(update, ref, lambda n: not is_expert(n)) if moe else None,
+            "expert_error": relative_error(update, ref, is_expert) if moe else None,
+            "micro_batches": len(micros), "tokens": metrics.get("tokens")}
 
 
 def tolerance_for(ds_config: dict) -> float:
@@ -258,8 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--splits", default=",".join(SPLITS),
                         help=f"comma list of {', '.join(SPLITS + EXTRA_SPLITS)} (default: {', '.join(SPLITS)})")
     parser.add_argument("--method", default="dsrl",
-                        help="dsrl, naive or both (comma list); naive = per-micro-batch mean, expected to fail "
-                             "(it shows the check can fail); only dsrl results count towards the exit code")
+                        help="comma list of dsrl, naive, world_count; naive = per-micro-batch mean, world_count = "
+                             "counts summed over the whole world (wrong under tensor parallelism); both are expected "
+                             "to fail (they show the check can fail); only dsrl results count towards the exit code")
+    parser.add_argument("--model", default="auto", choices=MODELS,
+                        help="tiny (custom), llama, qwen2 or mixtral (tiny Hugging Face models); auto = tiny, or llama "
+                             "under AutoTP, mixtral under AutoEP")
     parser.add_argument("--tolerance", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write every case's result to this file (rank 0)")
@@ -279,21 +389,26 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     results, worst = [], 0.0
     methods = args.method.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--method {','.join(unknown)}: not one of {', '.join(METHODS)}")
+    arch = model_for(raw, args.model)
     for stage in stages:
         for mode in modes:
             for split in splits:
                 for method in methods:
-                    res = run_case(raw, stage, mode, split, method, args.seed)
+                    res = run_case(raw, stage, mode, split, method, args.seed, arch)
                     results.append(res)
                     if method == "dsrl":
                         worst = max(worst, res["error"])
                     if rank == 0:
-                        print(f"ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} {method:<5} "
-                              f"relative error {res['error']:.3e}", flush=True)
+                        print(f"ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} "
+                              f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
+                              f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"tolerance": tol, "results": results}, f, indent=1)
-    if methods == ["naive"]:
+    if "dsrl" not in methods:
         worst = max(r["error"] for r in results)
     if rank == 0:
         print(f"max relative gradient error: {worst:.3e}", flush=True)

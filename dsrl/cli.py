@@ -36,22 +36,22 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     The ds_config is validated as ``dsrl.initialize`` validates it (DeepSpeed's own classes), for this
     machine's accelerator unless ``on_gpu`` says otherwise.
     """
-    from dsrl.ds_config import sequence_parallel_size
+    from dsrl.autotp import tensor_parallel_size
+    from dsrl.ds_config import data_parallel_size, sequence_parallel_size
     from dsrl.ds_validation import accelerator_is_gpu, validated_deepspeed_config
     from dsrl.schedule import base_lr, lr_curve
 
     if world_size <= 0:
         raise ConfigError(f"--world_size {world_size} must be a positive number of ranks")
-    sp = sequence_parallel_size(cfg.ds_config)
-    if world_size % sp:
-        raise ConfigError(f"--world_size {world_size} is not a multiple of sequence_parallel_size {sp}")
-    plan = BatchPlan.from_config(cfg, world_size // sp, dataset_size)
+    plan = BatchPlan.from_config(cfg, data_parallel_size(cfg.ds_config, world_size), dataset_size)
     on_gpu = accelerator_is_gpu() if on_gpu is None else on_gpu
     _, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu)
     lr = base_lr(cfg)
     first, last = lr_curve(spec, lr if lr is not None else 1.0, [1, plan.total_optimizer_steps])
     extra: dict[str, Any] = {
         "world_size": world_size,
+        "tensor_parallel_size": tensor_parallel_size(cfg.ds_config),
+        "sequence_parallel_size": sequence_parallel_size(cfg.ds_config),
         "accelerator": "gpu" if on_gpu else "cpu",
         "scheduler": f"{spec.source}:{spec.name}",
         "lr_first_step": first,
@@ -107,6 +107,9 @@ def cmd_plan(argv: list[str]) -> int:
         return 0
     rows = plan.describe()
     ds = plan.deepspeed_batch_fields()
+    rows.insert(1, ("ranks per replica", f"{extra['tensor_parallel_size'] * extra['sequence_parallel_size']} "
+                                         f"(autotp_size {extra['tensor_parallel_size']} x sequence_parallel_size "
+                                         f"{extra['sequence_parallel_size']}); D = world / that"))
     rows += [
         ("ds_config validated for", f"the {extra['accelerator']} accelerator (DeepSpeed's own config classes)"),
         ("DeepSpeed train_batch_size", str(ds["train_batch_size"])),

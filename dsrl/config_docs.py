@@ -62,6 +62,11 @@ the ds_config dsrl derives for DeepSpeed:
 - dsrl's own rules where DeepSpeed accepts a value that trains meaninglessly: `optimizer.params.lr`
   is a finite number > 0, every scheduled LR is finite and >= 0, `gradient_clipping` is a finite
   number >= 0, a schedule's warmup is shorter than the plan, `total_num_steps` (if given) equals it.
+- the parallel layout (`dsrl/autotp.py`, `dsrl/autoep.py`): `tensor_parallel.autotp_size` and
+  `expert_parallel.autoep_size` divide the world size; AutoTP is not combined with Ulysses
+  `sequence_parallel_size` or an `mpu`; `tensor_parallel.vocab_parallel_lm_head` is set to false
+  (dsrl needs full-vocabulary logits; `true` is refused). D = world / (autotp_size ·
+  sequence_parallel_size) (docs/concepts.md, "Who counts tokens").
 
 `dsrl plan` validates for the accelerator of the machine it runs on (`DS_ACCELERATOR` selects it) and
 prints which.

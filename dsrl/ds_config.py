@@ -52,6 +52,16 @@ def sequence_parallel_size(ds_config: dict[str, Any]) -> int:
     return sp
 
 
+def data_parallel_size(ds_config: dict[str, Any], world_size: int) -> int:
+    """D of the plan: the replicas holding different sequences, world / (autotp_size * sequence_parallel_size),
+    with every divisibility rule checked (:func:`dsrl.autotp.data_parallel_replicas`)."""
+    from dsrl.autoep import check_expert_layout
+    from dsrl.autotp import data_parallel_replicas
+
+    check_expert_layout(ds_config, world_size)  # AutoEP folds inside the replicas: D does not change
+    return data_parallel_replicas(ds_config, world_size, sequence_parallel_size(ds_config))
+
+
 def resolve_deepspeed_config(
     cfg: Config, plan: Any, *, on_gpu: bool, bf16_supported: bool | None = None
 ) -> dict[str, Any]:
@@ -105,6 +115,9 @@ def resolve_deepspeed_config(
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("stage") == "auto":
         zero["stage"] = 0
+    from dsrl.autotp import resolve_section
+
+    resolve_section(ds)  # AutoTP: full-vocabulary logits (vocab_parallel_lm_head false)
     if "pipeline" in ds:
         raise ConfigError(
             "ds_config pipeline: DeepSpeed's pipeline engine cannot run step-owned accumulation. "

@@ -27,7 +27,10 @@ import torch.distributed as dist
 
 from dsrl import checkpoint as ckpt
 from dsrl import cpu_shm
+from dsrl.autoep import ensure_transformers_compat, expert_parallel_enabled
+from dsrl.autotp import check_model_for_tensor_parallel, tensor_parallel_size
 from dsrl.config import Config, ConfigError, load_config
+from dsrl.ds_config import data_parallel_size
 from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.parallel import ParallelView, deepspeed_view
 from dsrl.plan import BatchPlan
@@ -209,13 +212,17 @@ class RLEngine(StepCore):
 
 
 def _data_parallel_size(cfg: Config, mpu: Any) -> int:
+    if mpu is not None and tensor_parallel_size(cfg.ds_config) > 1:
+        raise ConfigError(
+            f"ds_config tensor_parallel.autotp_size = {tensor_parallel_size(cfg.ds_config)} with an mpu passed to "
+            "dsrl.initialize: DeepSpeed's AutoTP replaces the engine's mpu with its own (data x tensor) groups. "
+            "Fix: pass no mpu with AutoTP, or set autotp_size to 1 and keep your mpu.")
     if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
         # Ulysses mpu (deepspeed.runtime.sequence_parallel.parallel_state_sp): replicas = |seq_dp| / sp
         return int(mpu.get_sequence_data_parallel_world_size()) // int(mpu.get_sequence_parallel_world_size())
     if mpu is not None:
         return int(mpu.get_data_parallel_world_size())
-    sp = int(cfg.ds_config.get("sequence_parallel_size", 1) or 1)
-    return dist.get_world_size() // sp
+    return data_parallel_size(cfg.ds_config, dist.get_world_size())
 
 
 def initialize(
@@ -240,6 +247,9 @@ def initialize(
     plan = BatchPlan.from_config(cfg, dp, dataset_size)
     # The ds_config DeepSpeed will see and the LR schedule, checked by DeepSpeed's own classes first.
     ds_config, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu(), mpu=mpu, client_optimizer=optimizer)
+    check_model_for_tensor_parallel(model, tensor_parallel_size(ds_config))
+    if expert_parallel_enabled(ds_config):
+        ensure_transformers_compat()  # DeepSpeed 0.19.8 AutoEP presets vs transformers 5 (dsrl.autoep)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
@@ -249,7 +259,7 @@ def initialize(
     if view.data_parallel_size != plan.data_parallel_size:
         raise ConfigError(
             f"the engine averages over {view.data_parallel_size} data-parallel replicas but the plan was built "
-            f"for D = {plan.data_parallel_size}; check sequence_parallel_size / mpu"
+            f"for D = {plan.data_parallel_size}; check sequence_parallel_size / tensor_parallel.autotp_size / mpu"
         )
     torch_optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
     scheduler = PlannedScheduler(spec, torch_optimizer)

@@ -7,7 +7,9 @@ Invariants kept by :class:`ExperienceMaker`:
   completions of each of its prompts (whole groups stay on one rank, so group statistics need no
   communication);
 - generation is seeded from (run seed, rollout, sampling round, replica), so a resumed run
-  regenerates the same completions;
+  regenerates the same completions; the ranks of one replica (tensor-parallel peers) generate
+  together and then adopt their source's scored samples, and only sources count them in the
+  rollout statistics (:mod:`dsrl.replica_data`);
 - a non-finite reward, or an overlong-filtered completion, masks its sample (it contributes no
   token to any count); dynamic sampling (DAPO) refills zero-variance groups with one MAX all-reduce
   per round, and every rank runs the same number of rounds (under ZeRO-3 each round is a collective
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from dsrl import algos
 from dsrl.batching import Sample, chunks, collate, completion_positions
 from dsrl.loss import kl_estimate, token_logprobs
+from dsrl.replica_data import is_source, share_with_tensor_peers
 
 
 def derived_seed(*parts: int) -> int:
@@ -112,6 +115,12 @@ class ExperienceMaker:
                               d.data.chat_template) if records else []
         # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
         completions = t.backend.generate(prompt_ids, t.plan.samples_per_prompt, seed=seed)
+        # Tensor peers adopt their source's scored samples (dsrl.replica_data rule 2).
+        return share_with_tensor_peers(t.rl.view, lambda: self._score(indices, records, completions))
+
+    def _score(self, indices: list[int], records: list[dict], completions: list) -> list[list[Sample]]:
+        """Rewards (and accuracies) of one round's completions, as one group of samples per prompt."""
+        t = self.t
         if not completions:
             return []
         texts = t.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
@@ -153,11 +162,12 @@ class ExperienceMaker:
             seed = derived_seed(self.d.run.seed, rollout_index, rounds, t.replica)
             groups = self._generate_groups(take, seed)
             rounds += 1
+            counted = float(is_source(t.rl.view))  # statistics count each replica's data once
             for g in groups:
                 self._shape_rewards(g)
                 flat = bool(algos.zero_variance_groups(masked_rewards(g), len(g))[0])
-                stats.groups_generated += 1
-                stats.groups_zero_variance += float(flat)
+                stats.groups_generated += counted
+                stats.groups_zero_variance += counted * float(flat)
                 (spare if (dynamic and flat) else kept).append(g)
             if not dynamic:
                 break
@@ -216,7 +226,8 @@ class ExperienceMaker:
         samples, stats, rounds = self.collect(rollout_index)
         self.score_logprobs(samples)
         self.advantages(samples)
-        stats.add_samples(samples)
+        if is_source(self.t.rl.view):
+            stats.add_samples(samples)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds
 

@@ -13,11 +13,15 @@ exact step (:mod:`dsrl.step_core`) needs:
 - ``owns_sequences``: whether this rank counts sequences (only the first shard of each sequence);
 - ``data_parallel_size`` / ``data_parallel_rank``: the replicas holding different sequences (D of
   the plan) and this rank's replica index, which decides which data it gets;
-- ``tensor_parallel_size``, ``sequence_parallel_size`` / ``sequence_parallel_rank`` (DeepSpeed
-  Ulysses or Megatron context parallelism), ``pipeline`` (None without pipeline stages).
+- ``tensor_parallel_size`` / ``tensor_parallel_rank`` / ``tensor_parallel_group`` (DeepSpeed AutoTP
+  or Megatron TP: peers that hold the same tokens and run every forward together),
+  ``sequence_parallel_size`` / ``sequence_parallel_rank`` (DeepSpeed Ulysses or Megatron context
+  parallelism), ``pipeline`` (None without pipeline stages).
 
 With tensor parallelism the count group stays the data(-sequence)-parallel group and D =
 world / (tp * sp * pp): the fields above already say so, whichever backend provides the TP.
+Which rank generates, keeps and trains on which data follows from these fields in one place,
+:mod:`dsrl.replica_data`.
 
 The DeepSpeed view reads the factor from the engine's real reduction (group size, sequence
 parallelism, ZeRO stage, reduce_scatter, gradient_allreduce_op), never assumes it; the Megatron view
@@ -51,6 +55,8 @@ class ParallelView:
     data_parallel_size: int  # replicas that hold different sequences (D of the plan)
     data_parallel_rank: int
     tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    tensor_parallel_group: Any = None  # torch ProcessGroup of this rank's tensor peers (None without TP)
     sequence_parallel_size: int = 1  # DeepSpeed Ulysses SP / Megatron CP shards of one sequence
     sequence_parallel_rank: int = 0
     pipeline: PipelineView | None = None
@@ -88,17 +94,26 @@ def group_rank(group: Any) -> int:
 def deepspeed_view(engine: Any) -> ParallelView:
     """The token-owning group and averaging factor of a DeepSpeedEngine.
 
-    Gradients are reduced over ``engine.seq_data_parallel_group`` (DP x Ulysses-SP). Net factors
-    measured on DeepSpeed 0.19.8 (architecture §7, research §2):
+    Gradients are reduced over ``engine.seq_data_parallel_group`` (DP x Ulysses-SP; with AutoTP the
+    data-parallel group of the (data x tensor) mesh, world / autotp_size ranks). Net factors
+    measured on DeepSpeed 0.19.8 (architecture §7, research §2, dsrl.autotp):
       - ``gradient_allreduce_op: "sum"`` (ZeRO 0-2): no averaging, D = 1;
       - ZeRO 0/1/2 and ZeRO-3 with ``reduce_scatter: false``: sum / (|seq_dp| / sp);
       - ZeRO-3 with ``reduce_scatter: true`` (default): sum / |seq_dp| -- with sp > 1 this is an
-        extra 1/sp that dsrl corrects by using D = |seq_dp|.
+        extra 1/sp that dsrl corrects by using D = |seq_dp|;
+      - AutoTP: the same rules over the data-parallel group; tensor peers are not part of it;
+      - AutoEP (expert parallelism): expert gradients come out with the same factor as dense ones.
+    The layout is checked: world = replicas * sp * tp, or a RuntimeError says what was found.
     """
     group = engine.seq_data_parallel_group
     seq_dp = group_size(group)
     sp = int(getattr(engine, "sequence_parallel_size", 1) or 1)
+    tp = int(engine.autotp_size() or 1) if hasattr(engine, "autotp_size") else 1
     replicas = seq_dp // sp
+    world = group_size(None)
+    if replicas * sp * tp != world:
+        raise RuntimeError(f"the engine's layout does not tile the world: {world} ranks, but |seq_dp| = {seq_dp} with "
+                           f"sequence_parallel_size {sp} and autotp_size {tp}")
     stage = engine.zero_optimization_stage()
     if not getattr(engine, "gradient_average", True):
         scale, how = 1.0, "gradient_allreduce_op=sum"
@@ -113,5 +128,13 @@ def deepspeed_view(engine: Any) -> ParallelView:
         dp_rank = groups._get_data_parallel_rank()
     else:
         sp_rank, dp_rank = 0, group_rank(group)
+    tp_rank, tp_group = 0, None
+    if tp > 1:
+        from deepspeed.utils import groups
+
+        tp_group = groups.get_tensor_model_parallel_group()
+        tp_rank = group_rank(tp_group)
+        how += f"; AutoTP over {tp} ranks (tensor peers share data and are not counted)"
     return ParallelView(count_group=group, grad_scale=scale, data_parallel_size=replicas, data_parallel_rank=dp_rank,
+                        tensor_parallel_size=tp, tensor_parallel_rank=tp_rank, tensor_parallel_group=tp_group,
                         sequence_parallel_size=sp, sequence_parallel_rank=sp_rank, description=f"ZeRO-{stage}, {how}")

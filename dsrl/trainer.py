@@ -5,7 +5,8 @@ One rollout, on every rank:
 1. :class:`dsrl.experience.ExperienceMaker` draws P prompts (the same on every rank); each
    data-parallel replica generates all G completions of its P/D prompts, scores them, applies the
    algorithm's filters, computes old (and reference) log-probs once, then group advantages;
-2. the samples of all ranks are all-gathered; for each of E epochs the rollout is reshuffled into
+2. the samples of all replicas are all-gathered (tensor-parallel peers contribute once and get
+   identical micro-batches: :mod:`dsrl.replica_data`); for each of E epochs the rollout is reshuffled into
    R/B mini-batches (the same permutation on every rank), each partitioned across replicas and into
    micro-batches (fixed size or token budget) by :mod:`dsrl.partition`; every mini-batch is one
    ``RLEngine.train_mini_batch`` call, i.e. one optimizer step.
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from dsrl import algos
 from dsrl.batching import Sample, collate, collate_packed
 from dsrl.config import Config, ConfigError, load_config
-from dsrl.ds_config import sequence_parallel_size
+from dsrl.ds_config import data_parallel_size
 from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.engine import RLEngine, ensure_distributed, initialize, on_gpu
 from dsrl.experience import ExperienceMaker, derived_seed, forward_logits
@@ -39,6 +40,7 @@ from dsrl.loss import clipped_policy_loss, kl_estimate, token_entropy, token_log
 from dsrl.metrics import MetricsWriter, rollout_record
 from dsrl.partition import mini_batches, partition_mini_batch
 from dsrl.plan import BatchPlan
+from dsrl.replica_data import gather_rollout, my_part
 
 CHECKPOINT_SUBDIR = "checkpoints"
 log = logging.getLogger("dsrl.trainer")
@@ -76,8 +78,7 @@ class Trainer:
         _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
         # The whole run file, DeepSpeed half included, is checked before the model is built (initialize
         # checks it again, cheaply, for callers that use it directly).
-        plan = BatchPlan.from_config(self.cfg, self.world // sequence_parallel_size(self.cfg.ds_config),
-                                     len(self.prompts))
+        plan = BatchPlan.from_config(self.cfg, data_parallel_size(self.cfg.ds_config, self.world), len(self.prompts))
         validated_deepspeed_config(self.cfg, plan, on_gpu=self.on_gpu)
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
@@ -162,9 +163,7 @@ class Trainer:
 
     def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:
         """E reshuffled passes over the all-gathered rollout; one optimizer step per mini-batch."""
-        gathered: list[list[Sample]] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, local)
-        rollout = [s for part in gathered for s in part]
+        rollout = gather_rollout(self.rl.view, local)
         lengths = [s.length for s in rollout]
         results = []
         seed = derived_seed(self.d.run.seed, self.rollout_index, 0xB47C4)
@@ -172,7 +171,7 @@ class Trainer:
                                shuffle=self.d.batch.shuffle):
             packed = self.d.model.packing
             per_rank = partition_mini_batch(mb, lengths, self.plan.data_parallel_size, self.d.batch, packed=packed)
-            mine = per_rank[self.replica]
+            mine = my_part(self.rl.view, per_rank)
             make = collate_packed if packed else collate
             micros = [make([rollout[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
             t0 = time.perf_counter()
@@ -292,6 +291,9 @@ def _reference_engine(ref: torch.nn.Module, rl: RLEngine, device: Any) -> Any:
     for key in ("bf16", "fp16"):
         if isinstance(ds.get(key), dict):
             cfg[key] = {"enabled": bool(ds[key].get("enabled", False))}
+    if isinstance(ds.get("tensor_parallel"), dict):
+        # AutoTP's groups are global: an engine without them fails; the reference is sharded like the policy.
+        cfg["tensor_parallel"] = dict(ds["tensor_parallel"])
     engine, *_ = deepspeed.initialize(model=ref, config=cfg)
     engine.eval()
     return engine

@@ -9,18 +9,26 @@ Invariants:
 - prompts are left-padded with an attention mask (generate derives position ids from it), so a
   padded prompt is conditioned exactly like the same prompt alone;
 - the model is in eval mode during generation and its previous train/eval mode is restored after;
-- no collective runs inside generation. Under ZeRO-3 the parameters are gathered once per
-  ``generate`` call on every rank (``deepspeed.zero.GatheredParameters`` over all parameters) and
-  DeepSpeed's ZeRO-3 module hooks are suspended for the call: with the hooks active, every
-  sub-module forward would re-partition its parameters and gather them again (one all-gather per
-  layer per token), and the top-level pre-forward hook runs cross-rank trace checks, so ranks
-  generating different numbers of tokens would hang. Hence every data-parallel rank must call
-  ``generate`` the same number of times (one gather each); prompt counts and lengths may differ.
+- no collective over the data-parallel group runs inside generation (AutoTP: see below). Under
+  ZeRO-3 the parameters are gathered once per ``generate`` call on every rank
+  (``deepspeed.zero.GatheredParameters`` over all parameters) and DeepSpeed's ZeRO-3 module hooks
+  are suspended for the call: with the hooks active, every sub-module forward would re-partition its
+  parameters and gather them again (one all-gather per layer per token), and the top-level
+  pre-forward hook runs cross-rank trace checks, so ranks generating different numbers of tokens
+  would hang. Hence every data-parallel rank must call ``generate`` the same number of times (one
+  gather each); prompt counts and lengths may differ.
+- under AutoTP (``tensor_parallel.autotp_size > 1``) every forward all-reduces over the tensor
+  group, so tensor peers must run exactly the same steps: they get the same prompts and seed (one
+  replica), and a stopping criterion (:class:`TensorPeersStop`) ORs the per-row end-of-sequence
+  flags over the tensor group at every step, so a row ends on every peer at the same step and the
+  peers leave the loop together, even if their sampled tokens were to differ (the trainer then keeps
+  the tensor source's completions: :mod:`dsrl.replica_data`). Cost: one all-reduce of a bool per row
+  per token step, inside the tensor group only.
 
-Memory: under ZeRO-3 every rank holds the full (unpartitioned) model in the engine's dtype for the
-duration of ``generate``, in addition to its optimizer shards and the KV cache of one chunk
-(``generation_batch_size * samples_per_prompt`` sequences). If that does not fit, lower
-``generation_batch_size`` or use the vLLM backend.
+Memory: under ZeRO-3 every rank holds the full (unpartitioned; under AutoTP: its tensor shard of
+the) model in the engine's dtype for the duration of ``generate``, in addition to its optimizer
+shards and the KV cache of one chunk (``generation_batch_size * samples_per_prompt`` sequences). If
+that does not fit, lower ``generation_batch_size`` or use the vLLM backend.
 """
 
 from __future__ import annotations
@@ -106,6 +114,31 @@ def gathered_for_generation(module: torch.nn.Module, ds_engine: Any) -> Iterator
         yield
 
 
+def tensor_parallel_group(ds_engine: Any) -> Any:
+    """The AutoTP tensor group of a DeepSpeedEngine (None without AutoTP, or for a plain module)."""
+    if ds_engine is None or not hasattr(ds_engine, "autotp_size") or (ds_engine.autotp_size() or 1) <= 1:
+        return None
+    from deepspeed.utils import groups
+
+    return groups.get_tensor_model_parallel_group()
+
+
+class TensorPeersStop:
+    """A ``transformers`` stopping criterion: a row is done on every tensor peer as soon as it produced
+    an end-of-sequence token on any of them (a MAX all-reduce of the per-row flags over ``group``)."""
+
+    def __init__(self, eos: list[int], group: Any):
+        self.eos, self.group = eos, group
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        last = input_ids[:, -1]
+        done = torch.isin(last, torch.tensor(self.eos, device=last.device)).to(torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.group)
+        return done.bool()
+
+
 @contextlib.contextmanager
 def _neutral_generation_config(module: torch.nn.Module) -> Iterator[None]:
     """Hide the model's own generation_config so only dsrl's settings shape the sampling."""
@@ -136,6 +169,7 @@ class HFRolloutBackend(RolloutBackend):
         self.eos = eos_ids(tokenizer, self.module)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos[0]
+        self.tp_group = tensor_parallel_group(self.ds_engine)
 
     @property
     def device(self) -> torch.device:
@@ -205,9 +239,14 @@ class HFRolloutBackend(RolloutBackend):
             attention_mask[i, width - len(p):] = 1
         input_ids = input_ids.repeat_interleave(g, dim=0)
         attention_mask = attention_mask.repeat_interleave(g, dim=0)
+        extra = {}
+        if self.tp_group is not None:
+            from transformers import StoppingCriteriaList
+
+            extra["stopping_criteria"] = StoppingCriteriaList([TensorPeersStop(self.eos, self.tp_group)])
         result = self.module.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen_cfg,
-            synced_gpus=False,
+            synced_gpus=False, **extra,
         )
         new_tokens = result.sequences[:, width:].cpu()
         logps = None
