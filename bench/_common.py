@@ -6,6 +6,7 @@ No benchmark asserts on absolute time: each prints ratios measured side by side 
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
 import sys
@@ -67,6 +68,47 @@ def build_lm(size: str, max_len: int, dtype: Any, seed: int = 0) -> Any:
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
     return model.to(dtype)
+
+
+PAD, BOS, EOS = 0, 1, 2  # dsrl's tiny tokenizer
+# Shapes of the generation benchmarks (bench/rollout.py, bench/e2e.py): Qwen2 with an untied head.
+SHAPES = {
+    # dsrl's built-in tiny model (dsrl.models.TINY_DEFAULTS) with a 512-token vocabulary
+    "tiny": {"vocab": 512, "tiny": {}},
+    # a scaled-up Qwen2 shape that still decodes 128 sequences on 2 CPU cores in seconds (~17 M parameters)
+    "scaled": {"vocab": 8192, "tiny": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)},
+    # Qwen2.5-0.5B's shape (random weights, untied head): for a GPU
+    "0.5b": {"vocab": 151936, "tiny": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                           num_attention_heads=14, num_key_value_heads=2,
+                                           max_position_embeddings=32768)},
+}
+
+
+def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: str = "float32",
+                      attn: str | None = None) -> Any:
+    """A random-weight Qwen2 whose next-token distribution is ~uniform except eos at probability 1/mean_len."""
+    import torch
+
+    from dsrl.config import ModelConfig
+    from dsrl.models import build_model
+
+    spec = SHAPES[shape]
+    vocab = spec["vocab"]
+    cfg = ModelConfig(arch="qwen2", dtype=dtype, attn_implementation=attn,
+                      tiny={**spec["tiny"], "tie_word_embeddings": False})
+    model = build_model(cfg, vocab, PAD, BOS, EOS, on_gpu=device != "cpu", seed=0)
+    hidden = model.config.hidden_size
+    head = torch.nn.Linear(hidden, vocab, bias=True)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        head.weight.normal_(0.0, 0.02 / math.sqrt(hidden))  # logits ~0: uniform over the non-eos tokens
+        head.bias.zero_()
+        q = 1.0 / mean_len  # p(eos) = e^b / (e^b + V - 1)
+        head.bias[EOS] = math.log(q * (vocab - 1) / (1 - q))
+        head.bias[PAD] = head.bias[BOS] = -1e4
+    model.lm_head = head.to(next(model.parameters()).dtype)
+    return model.to(device).eval()
 
 
 def per_token_nll(engine: Any, micro: dict) -> Any:

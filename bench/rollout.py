@@ -24,7 +24,6 @@ median over rounds of cb/hf within a round. Nothing asserts on time.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
@@ -36,42 +35,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from _common import report, table  # noqa: E402
+from _common import BOS, EOS, PAD, SHAPES, long_tailed_model, report, table  # noqa: E402
 
-from dsrl.config import ModelConfig, RolloutConfig  # noqa: E402
-from dsrl.models import build_model  # noqa: E402
+from dsrl.config import RolloutConfig  # noqa: E402
 from dsrl.rollout.cb import ContinuousBatchingBackend  # noqa: E402
 from dsrl.rollout.hf import HFRolloutBackend  # noqa: E402
-
-PAD, BOS, EOS = 0, 1, 2
-SHAPES = {
-    # dsrl's built-in tiny model (dsrl.models.TINY_DEFAULTS) with a 512-token vocabulary
-    "tiny": {"vocab": 512, "tiny": {}},
-    # a scaled-up Qwen2 shape that still decodes 128 sequences on 2 CPU cores in seconds (~17 M parameters)
-    "scaled": {"vocab": 8192, "tiny": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)},
-}
-
-
-def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: str = "float32",
-                      attn: str | None = None) -> torch.nn.Module:
-    """A random-weight Qwen2 whose next-token distribution is ~uniform except eos at probability 1/mean_len."""
-    spec = SHAPES[shape]
-    vocab = spec["vocab"]
-    cfg = ModelConfig(arch="qwen2", dtype=dtype, attn_implementation=attn,
-                      tiny={**spec["tiny"], "tie_word_embeddings": False})
-    model = build_model(cfg, vocab, PAD, BOS, EOS, on_gpu=device != "cpu", seed=0)
-    hidden = model.config.hidden_size
-    head = torch.nn.Linear(hidden, vocab, bias=True)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        head.weight.normal_(0.0, 0.02 / math.sqrt(hidden))  # logits ~0: uniform over the non-eos tokens
-        head.bias.zero_()
-        q = 1.0 / mean_len  # p(eos) = e^b / (e^b + V - 1)
-        head.bias[EOS] = math.log(q * (vocab - 1) / (1 - q))
-        head.bias[PAD] = head.bias[BOS] = -1e4
-    model.lm_head = head.to(next(model.parameters()).dtype)
-    return model.to(device).eval()
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -88,7 +56,7 @@ def timed(backend, ps: list[list[int]], g: int, seed: int) -> tuple[float, list]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["tiny", "scaled"], choices=list(SHAPES))
     ap.add_argument("--concurrency", nargs="+", type=int, default=[8, 32, 128, 512])
     ap.add_argument("--samples_per_prompt", type=int, default=8)
     ap.add_argument("--sequences", type=int, default=128,
@@ -123,6 +91,7 @@ def main() -> None:
             for r in range(args.repeats):
                 for name, be in (("hf", hf), ("cb", cb)):
                     s, out = timed(be, ps, g, seed=100 + r)
+                    print(f"  {shape} C={c} round {r} {name}: {s:.2f} s", flush=True)
                     n_tok = sum(len(o.completion_ids) for o in out)
                     rates[name].append(n_tok / s)
                     lengths += [len(o.completion_ids) for o in out]

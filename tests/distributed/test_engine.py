@@ -72,3 +72,6 @@ def test_zero3_unequal_micro_batch_counts(tmp_path):
     assert r0["n_logps"] == 2 and r1["n_logps"] == 7
     assert r0["fillers"] == 5 and r1["fillers"] == 0
     assert r0["applied"] and r1["applied"] and r0["loss_finite"]
+    # Log-prob forwards (fillers included: 7 on both ranks) run without autograd.
+    assert r0["no_grad_forwards"] == r1["no_grad_forwards"] == 7
+    assert r0["grad_enabled_forwards"] == r1["grad_enabled_forwards"] == 0

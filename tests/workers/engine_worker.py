@@ -126,10 +126,18 @@ def run_zero3(args) -> dict:
     seqs = make_sequences(32, seed=3)
     mine = seqs[:5] if rank == 0 else seqs[5:32]  # 5 vs 27 sequences
     micros = [collate(mine[i:i + 4]) for i in range(0, len(mine), 4)]  # 2 vs 7 micro-batches
-    logps = eng.forward_no_grad(micros, lambda m, mb: per_token_loss(m, mb).sum().item())
+    grad_seen = []  # forward_no_grad runs fn without autograd: no output keeps a graph (and activations)
+
+    def no_grad_fn(m, mb):
+        out = per_token_loss(m, mb)
+        grad_seen.append(torch.is_grad_enabled() or out.requires_grad)
+        return out.sum().item()
+
+    logps = eng.forward_no_grad(micros, no_grad_fn)
     res = eng.train_mini_batch(micros, per_token_loss)
     return {"n_micro": len(micros), "n_logps": len(logps), "applied": res["step_applied"],
-            "fillers": res["filler_micro_batches"], "loss_finite": math.isfinite(res["loss"])}
+            "fillers": res["filler_micro_batches"], "loss_finite": math.isfinite(res["loss"]),
+            "no_grad_forwards": len(grad_seen), "grad_enabled_forwards": sum(grad_seen)}
 
 
 def main() -> None:
