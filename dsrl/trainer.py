@@ -5,11 +5,15 @@ One rollout, on every rank:
 1. :class:`dsrl.experience.ExperienceMaker` draws P prompts (the same on every rank); each
    data-parallel replica generates all G completions of its P/D prompts, scores them, applies the
    algorithm's filters, computes old (and reference) log-probs once, then group advantages;
-2. the samples of all replicas are all-gathered (tensor-parallel peers contribute once and get
-   identical micro-batches: :mod:`dsrl.replica_data`); for each of E epochs the rollout is reshuffled into
-   R/B mini-batches (the same permutation on every rank), each partitioned across replicas and into
-   micro-batches (fixed size or token budget) by :mod:`dsrl.partition`; every mini-batch is one
-   ``RLEngine.train_mini_batch`` call, i.e. one optimizer step.
+2. the lengths of all R samples are all-gathered (a few bytes each; tensor-parallel peers
+   contribute nothing), and every rank computes the same E*R/B partitions: for each of E epochs the
+   rollout is reshuffled into R/B mini-batches (the same permutation on every rank), each
+   partitioned across replicas and into micro-batches (fixed size or token budget) by
+   :mod:`dsrl.partition`. Then one all-to-all moves each sample, with its old/ref log-probs and
+   advantage, from the replica that generated it to the ranks that train on it, once per rollout,
+   so a rank receives about R/D samples, not R (:mod:`dsrl.replica_data`: tensor peers get
+   identical micro-batches); every mini-batch is one ``RLEngine.train_mini_batch`` call, i.e. one
+   optimizer step.
 
 The progress bar's total is the plan's total optimizer steps and every loop bound comes from the
 same plan, so the bar ends exactly at the last step. Progress messages go through ``logging``
@@ -40,7 +44,7 @@ from dsrl.loss import clipped_policy_loss, kl_estimate, token_entropy, token_log
 from dsrl.metrics import MetricsWriter, rollout_record
 from dsrl.partition import mini_batches, partition_mini_batch
 from dsrl.plan import BatchPlan
-from dsrl.replica_data import gather_rollout, my_part
+from dsrl.replica_data import RolloutIndex, my_part
 
 CHECKPOINT_SUBDIR = "checkpoints"
 log = logging.getLogger("dsrl.trainer")
@@ -162,18 +166,24 @@ class Trainer:
         return loss, metrics
 
     def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:
-        """E reshuffled passes over the all-gathered rollout; one optimizer step per mini-batch."""
-        rollout = gather_rollout(self.rl.view, local)
-        lengths = [s.length for s in rollout]
-        results = []
+        """E reshuffled passes over the rollout; one optimizer step per mini-batch.
+
+        Every rank learns all R lengths, partitions all E*R/B mini-batches, then receives only the
+        samples its replica trains on (:mod:`dsrl.replica_data`, rules 3-5)."""
+        view = self.rl.view
+        index = RolloutIndex.gather(view, local)
         seed = derived_seed(self.d.run.seed, self.rollout_index, 0xB47C4)
-        for mb in mini_batches(len(rollout), self.plan.mini_batch_size, self.plan.epochs_per_rollout, seed=seed,
-                               shuffle=self.d.batch.shuffle):
-            packed = self.d.model.packing
-            per_rank = partition_mini_batch(mb, lengths, self.plan.data_parallel_size, self.d.batch, packed=packed)
-            mine = my_part(self.rl.view, per_rank)
-            make = collate_packed if packed else collate
-            micros = [make([rollout[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
+        packed = self.d.model.packing
+        steps = [partition_mini_batch(mb, index.lengths, self.plan.data_parallel_size, self.d.batch, packed=packed)
+                 for mb in mini_batches(index.size, self.plan.mini_batch_size, self.plan.epochs_per_rollout,
+                                        seed=seed, shuffle=self.d.batch.shuffle)]
+        samples = index.exchange(steps, self.device)
+        del index
+        make = collate_packed if packed else collate
+        results = []
+        for per_rank in steps:
+            mine = my_part(view, per_rank)
+            micros = [make([samples[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
             t0 = time.perf_counter()
             res = self.rl.train_mini_batch(micros, self.loss_fn)
             res["step_s"] = time.perf_counter() - t0

@@ -14,7 +14,7 @@ from dsrl.cli import build_plan_report
 from dsrl.config import ConfigError, load_config
 from dsrl.ds_config import data_parallel_size
 from dsrl.parallel import ParallelView
-from dsrl.replica_data import gather_rollout, is_source, my_part, share_with_tensor_peers
+from dsrl.replica_data import is_source, my_part, share_with_tensor_peers
 
 
 @pytest.mark.parametrize("ds,world,want", [
@@ -74,7 +74,6 @@ def test_replica_data_rules_without_a_process_group():
         my_part(_view(0, 0), [[], [], []])
     single = ParallelView(count_group=None, grad_scale=1.0, data_parallel_size=1, data_parallel_rank=0)
     assert share_with_tensor_peers(single, lambda: {"x": 1}) == {"x": 1}  # no tensor parallelism: no collective
-    assert gather_rollout(single, [1, 2]) == [1, 2]
 
 
 def test_transformers_registry_accepts_deepspeeds_default_argument():
