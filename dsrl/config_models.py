@@ -164,6 +164,9 @@ class ModelConfig(Section):
     attn_implementation: str | None = setting(
         None, "transformers attn_implementation (sdpa, flash_attention_2, eager)")
     gradient_checkpointing: bool = setting(False, "activation checkpointing")
+    apex: Literal["auto", "off"] = setting(
+        "auto", "NVIDIA apex where it imports: on GPU its prebuilt FusedAdam replaces the FusedAdam DeepSpeed would "
+                "compile for a ds_config Adam/AdamW (same update rule; docs/benchmarks.md); 'off' = never")
     packing: bool = setting(
         False, "padding-free micro-batches: sequences packed into one row, position_ids restarting per sequence "
                "and no attention mask (transformers builds the block-diagonal mask on sdpa/eager, varlen kernels "

@@ -32,6 +32,7 @@ from dsrl.autotp import check_model_for_tensor_parallel, tensor_parallel_size
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.ds_config import data_parallel_size
 from dsrl.ds_validation import validated_deepspeed_config
+from dsrl.fused import apex_adam_for
 from dsrl.parallel import ParallelView, deepspeed_view
 from dsrl.plan import BatchPlan
 from dsrl.schedule import PlannedScheduler
@@ -252,6 +253,9 @@ def initialize(
         ensure_transformers_compat()  # DeepSpeed 0.19.8 AutoEP presets vs transformers 5 (dsrl.autoep)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
+    # apex's prebuilt FusedAdam instead of compiling DeepSpeed's, where apex is present (dsrl.fused).
+    apex_optimizer, ds_config = apex_adam_for(ds_config, model_parameters, cfg.dsrl.model.apex, on_gpu(), optimizer)
+    optimizer = apex_optimizer or optimizer
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu
     )

@@ -223,6 +223,9 @@ class ExperienceMaker:
     def make(self, rollout_index: int) -> tuple[list[Sample], RolloutStats, int]:
         """The whole pipeline for one rollout: samples ready to train on, stats, sampling rounds."""
         t0 = time.perf_counter()
+        # A backend with its own copy of the weights (vllm) takes the policy's current ones (every rank:
+        # a parameter gather under ZeRO-3); shared-weight backends do nothing.
+        self.t.backend.sync_weights()
         samples, stats, rounds = self.collect(rollout_index)
         self.score_logprobs(samples)
         self.advantages(samples)
