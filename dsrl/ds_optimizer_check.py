@@ -145,6 +145,16 @@ def _check_zero_support(optimizer: torch.optim.Optimizer, ds: dict[str, Any], ds
             EngineView(ds_cfg)._do_optimizer_sanity_check(optimizer)
     except (AssertionError, ValueError, NotImplementedError) as e:
         stage = ds_cfg.zero_optimization_stage
+        if "grad_accum_dtype" in str(e) and stage == 0:
+            # dsrl asks for fp32 gradient accumulation under bf16/fp16 (ds_config.py); ZeRO-0 cannot do it.
+            raise ConfigError(
+                f"ds_config zero_optimization.stage = 0 with {'bf16' if (ds.get('bf16') or {}).get('enabled') else 'fp16'}: "
+                "DeepSpeed's ZeRO-0 accumulates gradients only in the model's dtype, while dsrl accumulates "
+                "them in fp32 for an exact mini-batch gradient (DeepSpeed: "
+                f"{str(e).strip().rstrip('.')}). Fix: set zero_optimization.stage to 1 (on one device it "
+                "partitions nothing), or accept low-precision accumulation with data_types.grad_accum_dtype "
+                "set to the model's dtype."
+            ) from None
         raise ConfigError(
             f"ds_config optimizer.type = {ds['optimizer'].get('type')!r} with zero_optimization.stage = {stage}: "
             f"DeepSpeed rejects this: {str(e).strip().rstrip('.')}. Fix: follow DeepSpeed's advice, use Adam/AdamW, "

@@ -119,6 +119,8 @@ CASES = [
      "gradient_allreduce_op"),
     # ---------------------------------------------------------------- precision
     ("bf16 and fp16", {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "fp16.enabled"),
+    ("bf16 on ZeRO-0 (no fp32 accumulation)", {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}},
+     "zero_optimization.stage"),
     ("fp16 on CPU", {"fp16": {"enabled": True}}, "fp16.enabled"),
     ("loss_scale negative", {"fp16": {"enabled": False, "loss_scale": -1}}, "fp16.loss_scale"),
     ("loss_scale_window string", {"fp16": {"enabled": False, "loss_scale_window": "x"}}, "fp16.loss_scale_window"),
