@@ -49,7 +49,7 @@ VOCAB = 151_936
 TARGET = 0.10
 
 
-# -- the old path (before issue 11), for the side-by-side and tests/distributed/test_datapath.py -----
+# -- the old path (before issue 11), for the side-by-side and tests/distributed/test_datapath_ranks.py -----
 
 
 class AllGatherRollout:
