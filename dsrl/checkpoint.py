@@ -150,6 +150,23 @@ def latest_complete_tag(save_dir: str) -> str | None:
 # Saving
 
 
+def _disk_full(folder: str) -> bool:
+    """Whether ``folder``'s file system refuses a 1 MiB write with ENOSPC (a direct test: torch's writer
+    reports a short write as "unexpected pos", without the errno)."""
+    probe = os.path.join(folder, f".dsrl-space-probe.{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
 def _describe_failure(exc: BaseException, path: str) -> str:
     """Why a write under ``path`` failed, in words (a full disk is told apart from other errors)."""
     chain, e = [], exc
@@ -157,14 +174,13 @@ def _describe_failure(exc: BaseException, path: str) -> str:
         chain.append(e)
         e = e.__cause__ or e.__context__
     codes = {getattr(x, "errno", None) for x in chain}
-    text = " ".join(str(x) for x in chain)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
     try:
-        usage = shutil.disk_usage(path if os.path.exists(path) else os.path.dirname(path))
-        free = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.0f} MiB"
-        full = usage.free < min(64 << 20, usage.total // 100)
+        usage = shutil.disk_usage(folder)
+        free = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
     except OSError:
-        free, full = "free space unknown", False
-    if errno.ENOSPC in codes or "No space left" in text or (full and "write" in text.lower()):
+        free = "free space unknown"
+    if codes & {errno.ENOSPC, errno.EDQUOT} or _disk_full(folder):
         return f"no space left on the device ({free})"
     if codes & {errno.EACCES, errno.EPERM, errno.EROFS}:
         return f"the directory is not writable ({type(exc).__name__}: {exc})"
@@ -183,10 +199,15 @@ def _agree(error: str | None, save_dir: str, tag: str, previous: str | None) -> 
         shutil.rmtree(path, ignore_errors=True)
     kept = f"the previous checkpoint {os.path.join(save_dir, previous)} stays latest" if previous else \
         "no earlier checkpoint exists"
+    if first[1].startswith("no space"):
+        fix = "free space on that file system (or point dsrl.run.output_dir at a larger disk)"
+    elif first[1].startswith("the directory is not writable"):
+        fix = f"make {save_dir} writable (or point dsrl.run.output_dir elsewhere)"
+    else:
+        fix = "see the cause above"
     raise CheckpointError(
         f"saving checkpoint {tag} to {path} failed on rank {first[0]}: {first[1]}. Nothing was committed: {kept} "
-        f"(the partial {tag} was removed). Fix: free space or make {save_dir} writable (or point "
-        "dsrl.run.output_dir at another disk), then continue with --resume auto.", agreed=True)
+        f"(the partial {tag} was removed). Fix: {fix}, then continue with --resume auto.", agreed=True)
 
 
 def begin(save_dir: str, tag: str) -> str | None:

@@ -26,6 +26,13 @@ from typing import Any
 from dsrl.config_errors import ConfigError
 
 LOCK_NAME = ".dsrl.lock"
+_held: list[OutputLock] = []
+
+
+def release_all() -> None:
+    """Release every lock this process holds (before an exit that skips ``atexit``)."""
+    for lock in list(_held):
+        lock.release()
 
 
 def _start_time(pid: int) -> float | None:
@@ -57,6 +64,7 @@ class OutputLock:
         self.info = info
         self.taken_over = taken_over
         self._released = False
+        _held.append(self)
         atexit.register(self.release)
 
     @staticmethod
@@ -114,6 +122,8 @@ class OutputLock:
         if self._released:
             return
         self._released = True
+        if self in _held:
+            _held.remove(self)
         if self.read(self.path) == self.info:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)

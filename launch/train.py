@@ -17,6 +17,9 @@ import os
 import sys
 
 from dsrl.config import ConfigError, parse_override_args
+from dsrl.output_lock import release_all
+from dsrl.run_errors import CollectiveTimeout, RunError
+from dsrl.stop import InterruptedStartup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_override_args(rest)
         if args.overwrite:
             overrides["dsrl.run.overwrite"] = True
-        from dsrl.run_errors import RunError
-        from dsrl.stop import InterruptedStartup
         from dsrl.trainer import Trainer
 
         trainer = Trainer(args.ds_config, overrides, resume=args.resume)
@@ -54,9 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         if not (quiet and e.agreed):
             print(f"dsrl: error: {e}", file=sys.stderr)
+        if isinstance(e, CollectiveTimeout):
+            # A peer is stuck: tearing the process group down would wait for it. Leave now.
+            release_all()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     except (InterruptedStartup, KeyboardInterrupt) as e:
-        print(f"dsrl: interrupted ({e or 'SIGINT'}); nothing was saved by this start", file=sys.stderr)
+        print(f"dsrl: interrupted ({e or 'SIGINT'})", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     return trainer.stop.exit_code
 
