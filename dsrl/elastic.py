@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import io
 import logging
 import os
@@ -48,11 +47,11 @@ _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_sta
 class Layout:
     """How an engine's state is split: what a checkpoint records and what a resume must match."""
 
-    zero_stage: int
+    zero_stage: int  # -1: unknown (a checkpoint from before manifests)
     zero_partitions: int  # DeepSpeed's (sequence-)data-parallel size: ZeRO shards the state over it
     data_parallel_size: int  # D of the plan
-    tensor_parallel_size: int = 1
-    sequence_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # 0: unknown
+    sequence_parallel_size: int = 1  # 0: unknown
     world_size: int = 1
 
     def to_dict(self) -> dict[str, int]:
@@ -73,27 +72,27 @@ def engine_layout(rl: Any) -> Layout:
 
 
 def saved_layout(engine_dir: str, root: str | None = None, subdir: str = ".") -> Layout | None:
-    """The layout a checkpoint was written with: from its manifest, else (older checkpoints) from the
-    names of its ZeRO optimizer files; None when neither tells."""
+    """The layout a checkpoint was written with: from its manifest, else (older checkpoints) the partition
+    count from the names of its ZeRO optimizer files, the rest unknown; None when neither tells."""
     rec = manifest.engine_layout(root or engine_dir, subdir) if os.path.isdir(root or engine_dir) else None
     if rec:
         return Layout.from_dict(rec)
     ranks = {int(m.group(1)) for f in os.listdir(engine_dir) if (m := _OPTIM_FILE.match(f))}
     if not ranks:
         return None
-    stage = 3 if glob.glob(os.path.join(engine_dir, "*zero_pp_rank_*_model_states.pt")) else 2
-    return Layout(zero_stage=stage, zero_partitions=len(ranks), data_parallel_size=len(ranks))
+    return Layout(zero_stage=-1, zero_partitions=len(ranks), data_parallel_size=len(ranks), tensor_parallel_size=0,
+                  sequence_parallel_size=0)
 
 
 def check_compatible(saved: Layout, now: Layout, where: str) -> None:
     """Raise ConfigError for a change no resume path can carry (module doc)."""
     for name, what in (("tensor_parallel_size", "ds_config tensor_parallel.autotp_size"),
                        ("sequence_parallel_size", "ds_config sequence_parallel_size")):
-        if getattr(saved, name) != getattr(now, name):
+        if getattr(saved, name) and getattr(saved, name) != getattr(now, name):
             raise ConfigError(
                 f"resume: {where} was written with {name} = {getattr(saved, name)}, this run has "
                 f"{getattr(now, name)}. Fix: resume with the same {what} (only the data-parallel size may change).")
-    if saved.zero_stage != now.zero_stage:
+    if saved.zero_stage >= 0 and saved.zero_stage != now.zero_stage:
         raise ConfigError(
             f"resume: {where} was written with ZeRO stage {saved.zero_stage}, this run uses stage {now.zero_stage}. "
             f"Fix: resume with zero_optimization.stage = {saved.zero_stage}.")
@@ -101,18 +100,18 @@ def check_compatible(saved: Layout, now: Layout, where: str) -> None:
 
 def needs_universal(saved: Layout, now: Layout) -> bool:
     """Whether the optimizer partitions must be rebuilt (ZeRO 1-3 on another partition count)."""
-    return saved.zero_stage > 0 and saved.zero_partitions != now.zero_partitions
+    return now.zero_stage > 0 and saved.zero_partitions != now.zero_partitions
 
 
-def convert_to_universal(engine_dir: str) -> tuple[str, float]:
-    """``engine_dir/universal`` from the DeepSpeed checkpoint in ``engine_dir`` (made once, atomically);
-    returns its path and the seconds spent (0 when it existed). Runs in this process only."""
-    out = os.path.join(engine_dir, UNIVERSAL)
+def convert_to_universal(engine_dir: str, out: str | None = None) -> tuple[str, float]:
+    """``out`` (default ``engine_dir/universal``) from the DeepSpeed checkpoint in ``engine_dir``, made once
+    and atomically; returns its path and the seconds spent (0 when it existed). Runs in this process only."""
+    out = out or os.path.join(engine_dir, UNIVERSAL)
     if os.path.isdir(out):
         return out, 0.0
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    tmp = os.path.join(engine_dir, f"{UNIVERSAL}.tmp.{os.getpid()}")
+    tmp = f"{out}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     args = argparse.Namespace(input_folder=engine_dir, output_folder=tmp, num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
@@ -128,7 +127,7 @@ def convert_to_universal(engine_dir: str) -> tuple[str, float]:
             f"{type(e).__name__}: {e}. Output: {chatter.getvalue()[-800:]}") from e
     finally:
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(engine_dir, "latest_universal"))  # written by ds_to_universal beside it
+            os.unlink(os.path.join(os.path.dirname(tmp), "latest_universal"))  # ds_to_universal writes it beside
     os.rename(tmp, out)
     return out, time.perf_counter() - t0
 

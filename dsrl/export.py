@@ -7,7 +7,8 @@ before the commit and covered by the manifest), so one checkpoint directory is e
 Invariants of :func:`export_checkpoint`:
 - the weights are the checkpoint's fp32 master weights, consolidated from any ZeRO stage (ZeRO-3
   shards included) by DeepSpeed's ``zero_to_fp32`` utilities in one process, whatever the number of
-  ranks that wrote them (ZeRO-0 keeps whole weights in its model-states file);
+  ranks that wrote them (ZeRO-0 keeps whole weights in its model-states file; AutoTP shards are merged
+  by DeepSpeed's universal-checkpoint conversion);
 - the checkpoint is verified against its manifest first (a damaged file is an error naming it);
 - the output directory appears complete or not at all (written beside it, then renamed) and holds
   ``model.safetensors`` (or shards), ``config.json``, ``generation_config.json`` and the tokenizer,
@@ -48,8 +49,24 @@ def _is_zero_partitioned(engine_dir: str) -> bool:
     return bool(glob.glob(os.path.join(engine_dir, "*zero_pp_rank_*_optim_states.pt")))
 
 
-def consolidated_state_dict(engine_dir: str) -> dict[str, torch.Tensor]:
-    """The full fp32 weights of the DeepSpeed checkpoint in ``engine_dir``, in one process."""
+def consolidated_state_dict(engine_dir: str, scratch: str | None = None) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of the DeepSpeed checkpoint in ``engine_dir``, in one process.
+
+    ZeRO-1/2/3: DeepSpeed's ``zero_to_fp32``; tensor-parallel (AutoTP) shards: DeepSpeed's universal
+    conversion (into ``scratch``, removed after), whose per-parameter files hold the merged weights;
+    ZeRO-0: the model-states file.
+    """
+    if glob.glob(os.path.join(engine_dir, "*mp_rank_01_*.pt")):
+        from dsrl.elastic import convert_to_universal
+
+        scratch = scratch or f"{engine_dir.rstrip(os.sep)}.export-universal.tmp"
+        try:
+            universal, _ = convert_to_universal(engine_dir, out=scratch)
+            zero = os.path.join(universal, "zero")
+            return {name: torch.load(os.path.join(zero, name, "fp32.pt"), weights_only=False)["param"].float()
+                    for name in sorted(os.listdir(zero)) if os.path.isfile(os.path.join(zero, name, "fp32.pt"))}
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     if _is_zero_partitioned(engine_dir):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -59,8 +76,7 @@ def consolidated_state_dict(engine_dir: str) -> dict[str, torch.Tensor]:
         return {k: v.float() for k, v in state.items()}
     files = sorted(glob.glob(os.path.join(engine_dir, "mp_rank_*_model_states.pt")))
     if len(files) != 1:
-        raise ConfigError(f"{engine_dir}: expected one mp_rank_*_model_states.pt (ZeRO-0), found {len(files)}; "
-                          "exporting tensor-parallel ZeRO-0 checkpoints is not supported.")
+        raise ConfigError(f"{engine_dir}: expected one mp_rank_*_model_states.pt (ZeRO-0), found {len(files)}.")
     module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     return {k: v.float() for k, v in module.items()}
 
@@ -97,7 +113,8 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
                           "export existed). Fix: export a newer checkpoint, or copy the model's config.json and "
                           f"tokenizer files into {meta}.")
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
-    state = consolidated_state_dict(engine_dir)
+    out = os.path.abspath(out)
+    state = consolidated_state_dict(engine_dir, scratch=f"{out}.universal.tmp.{os.getpid()}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -112,7 +129,6 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
     model = model.to(target)
     if os.path.isfile(os.path.join(meta, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(meta, local_files_only=True)
-    out = os.path.abspath(out)
     tmp = f"{out}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from dsrl import algos, collectives, watchdog
 from dsrl.batching import Sample, collate, collate_packed
 from dsrl.checkpoint import latest_complete_tag
-from dsrl.config import Config, load_config
+from dsrl.config import Config, ConfigError, load_config
 from dsrl.ds_config import data_parallel_size
 from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.engine import RLEngine, ensure_distributed, initialize, on_gpu
@@ -244,8 +244,13 @@ class Trainer:
         """The final checkpoint as a Hugging Face model directory, <output_dir>/final_model (rank 0 writes)."""
         tag_dir = os.path.join(self.ckpt_dir, f"rollout{self.rollout_index}")
         out = os.path.join(self.output_dir, FINAL_MODEL)
-        with self.watch.phase("export"), watchdog.patience(4 * 3600.0):
-            collectives.on_rank0(lambda: export_checkpoint(tag_dir, out, overwrite=True, checksums=False))
+        try:
+            with self.watch.phase("export"), watchdog.patience(4 * 3600.0):
+                collectives.on_rank0(lambda: export_checkpoint(tag_dir, out, overwrite=True, checksums=False))
+        except (ConfigError, RunError) as e:  # the run itself succeeded: say so, do not fail it
+            if self.rank == 0:
+                log.warning("run.export_final: could not export %s: %s", tag_dir, e)
+            return
         if self.rank == 0:
             log.info("exported the final model to %s (AutoModelForCausalLM.from_pretrained)", out)
 
