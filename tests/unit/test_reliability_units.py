@@ -300,7 +300,11 @@ def test_elastic_layout_rules(tmp_path):
     legacy.mkdir()
     for r in range(4):
         (legacy / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
-    assert saved_layout(str(legacy)) == Layout(zero_stage=2, zero_partitions=4, data_parallel_size=4)
+    old = saved_layout(str(legacy))  # before manifests: the partition count is all the files tell
+    assert old == Layout(zero_stage=-1, zero_partitions=4, data_parallel_size=4, tensor_parallel_size=0,
+                         sequence_parallel_size=0)
+    check_compatible(old, Layout(1, 4, 4, tensor_parallel_size=2), "ck")  # unknowns are not compared
+    assert needs_universal(old, Layout(3, 2, 2)) and not needs_universal(old, Layout(1, 4, 4))
 
 
 def test_stop_decisions(monkeypatch):
