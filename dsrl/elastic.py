@@ -143,6 +143,26 @@ def _universal_loading(engine: Any):
         cfg.load_universal_checkpoint = before
 
 
+@contextlib.contextmanager
+def _as_sentence(what: str):
+    """DeepSpeed's load failures (a file it cannot parse, a missing one) as one sentence naming ``what``."""
+    try:
+        yield
+    except (CheckpointError, ConfigError):
+        raise
+    except Exception as e:
+        raise CheckpointError(f"could not load checkpoint {what}: {type(e).__name__}: {str(e)[:300]}. Fix: resume from "
+                              "an earlier checkpoint (--resume <its directory>).") from e
+
+
+def _deepspeed_load(engine: Any, load_dir: str, tag: str) -> dict:
+    with _as_sentence(os.path.join(load_dir, tag)):
+        path, client = engine.load_checkpoint(load_dir, tag=tag)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed found no checkpoint to load in {os.path.join(load_dir, tag)}")
+    return client or {}
+
+
 def load(rl: Any, ckpt_dir: str, tag: str, saved: Layout | None, convert_timeout_s: float = 4 * 3600.0,
          subdir: str | None = None) -> tuple[dict, dict | None, str | None]:
     """Load checkpoint ``ckpt_dir/tag`` (its engine in ``subdir``, if given) into ``rl``, converting
@@ -154,35 +174,29 @@ def load(rl: Any, ckpt_dir: str, tag: str, saved: Layout | None, convert_timeout
     now = engine_layout(rl)
     where = os.path.join(ckpt_dir, tag)
     engine_dir = where if subdir is None else os.path.join(where, subdir)
+    parent, name = os.path.split(engine_dir)
     if saved is not None:
         check_compatible(saved, now, where)
     if saved is None or (saved.zero_partitions, saved.data_parallel_size) == (now.zero_partitions,
                                                                               now.data_parallel_size):
         if subdir is None:
-            _, state, rank_state = ckpt.load(rl.engine, ckpt_dir, tag)
-        else:
-            path, client = rl.engine.load_checkpoint(where, tag=subdir)
-            state, rank_state = (client or {}).get("dsrl", {}), None
-            if path is None:
-                raise CheckpointError(f"DeepSpeed could not load {engine_dir}")
-        return state, rank_state, None
-    seconds = 0.0
+            with _as_sentence(where):
+                _, state, rank_state = ckpt.load(rl.engine, ckpt_dir, tag)
+            return state, rank_state, None
+        return _deepspeed_load(rl.engine, parent, name).get("dsrl", {}), None, None
     if needs_universal(saved, now):
         with watchdog.patience(convert_timeout_s):
             universal, seconds = collectives.on_rank0(lambda: convert_to_universal(engine_dir))
         with _universal_loading(rl.engine):
-            path, client = rl.engine.load_checkpoint(engine_dir, tag=UNIVERSAL)
+            client = _deepspeed_load(rl.engine, engine_dir, UNIVERSAL)
         how = f"re-partitioned through DeepSpeed's universal checkpoint ({universal}, converted in {seconds:.1f} s)"
     else:
-        path, client = rl.engine.load_checkpoint(os.path.dirname(engine_dir), tag=os.path.basename(engine_dir))
+        client = _deepspeed_load(rl.engine, parent, name)
         how = "loaded directly (ZeRO-0 keeps whole optimizer states)"
-    if path is None:
-        raise CheckpointError(f"DeepSpeed could not load {engine_dir}")
-    state = (client or {}).get("dsrl", {})
-    plan = rl.plan
+    D, B = now.data_parallel_size, rl.plan.mini_batch_size
+    stage = saved.zero_stage if saved.zero_stage >= 0 else now.zero_stage
     notice = (f"elastic resume: {where} was written on {saved.data_parallel_size} data-parallel rank(s) "
-              f"(ZeRO-{saved.zero_stage}), this run has {now.data_parallel_size}; {how}. The plan is rebuilt for "
-              f"D = {now.data_parallel_size} ({plan.mini_batch_size} sequences per optimizer step, "
-              f"{plan.mini_batch_size // max(now.data_parallel_size, 1)} per rank); the prompt cursor, optimizer step "
-              "and LR schedule continue; per-rank RNG streams restart from the run seed.")
-    return state, None, notice
+              f"(ZeRO-{stage}), this run has {D}; {how}. The plan is rebuilt for D = {D} ({B} sequences per "
+              f"optimizer step, {B // max(D, 1)} per rank); the prompt cursor, optimizer step and LR schedule "
+              "continue; per-rank RNG streams restart from the run seed.")
+    return client.get("dsrl", {}), None, notice

@@ -1,5 +1,6 @@
 """Elastic resume (2 -> 1 -> 2 ranks, ZeRO-2 and ZeRO-3) through DeepSpeed's universal checkpoint, and
-export of the trained policy as a Hugging Face model directory (issue 12, items 2 and 7).
+export of the trained policy as a Hugging Face model directory (issue 12, items 2 and 7; the ZeRO-2
+chain's first run also carries item 5's reward timeout, to save a launch).
 
 One chain per stage: 2 ranks train rollout 1 and stop; 1 rank resumes it (the checkpoint is converted
 to the universal format) and trains rollout 2; 2 ranks resume that one (converted again) and finish
@@ -72,7 +73,18 @@ def test_elastic_resume_and_export(stage, tmp_path):
     config = run_file(tmp_path, stage)
     out = tmp_path / "out"
     common = [WORKER, "--ds_config", config, "--dsrl.run.output_dir", str(out), "--dsrl.run.progress_bar", "false"]
-    launch([*common, "--dsrl.run.stop_after_rollouts", "1"], nprocs=2)
+    # (ZeRO-2 only, to save a launch: item 5's reward timeout rides on the first run. Rank 1's first reward
+    # call never returns; data.reward_timeout_s cuts it, masks that sample and counts it.)
+    stuck = ["--dsrl.data.reward_fn", "tests/data/reward_fixture.py:hang_once_on_rank1",
+             "--dsrl.data.reward_timeout_s", "2"] if stage == 2 else []
+    first = launch([*common, "--dsrl.run.stop_after_rollouts", "1", *stuck], nprocs=2)
+    if stuck:
+        assert "did not return within 2 s (dsrl.data.reward_timeout_s)" in first.stdout, first.stdout[-3000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        (row,) = [r for r in rows if r["event"] == "rollout"]
+        assert row["reward_timeouts"] == 1 and row["masked_samples"] == 1
+        # The same rewards for the rest of the run, from the fixture's non-hanging twin.
+        common += ["--dsrl.data.reward_fn", "tests/data/reward_fixture.py:length_per_sample"]
     one = single([*common, "--dsrl.run.stop_after_rollouts", "1", "--dump_resumed", str(tmp_path / "r1.pt")])
     two = launch([*common, "--dump_resumed", str(tmp_path / "r2.pt"), "--dump_logits", str(tmp_path / "logits.pt")],
                  nprocs=2)

@@ -1,7 +1,7 @@
 """Stuck rewards, bounded collectives and signals on 2 CPU ranks (issue 12, items 5 and 6).
 
-- a reward call that never returns on one rank is cut at ``data.reward_timeout_s``: its sample is
-  masked and counted in ``reward_timeouts``, and the run completes;
+- (a reward call that never returns on one rank is cut at ``data.reward_timeout_s``, its sample masked
+  and counted: tested in test_elastic_export.py, on the ZeRO-2 chain's first run);
 - without a reward timeout, the other rank gives up after ``run.collective_timeout_s`` with a
   sentence naming the phase (reward) and the missing rank (1), and the whole job ends;
 - SIGTERM to the ``deepspeed`` runner alone (what ``kill PID`` and ``timeout`` do) used to leave its
@@ -33,19 +33,6 @@ def _config(tmp_path) -> str:
 
 def _rows(out, event):
     return [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == event]
-
-
-def test_stuck_reward_is_masked_after_its_timeout(tmp_path):
-    out = tmp_path / "out"
-    proc = launch(["launch/train.py", "--ds_config", _config(tmp_path), "--dsrl.run.rollouts", "1",
-                   "--dsrl.run.output_dir", str(out), "--dsrl.run.progress_bar", "false",
-                   "--dsrl.run.export_final", "false", "--dsrl.run.save_final", "false",
-                   "--dsrl.data.reward_fn", "tests/data/reward_fixture.py:hang_once_on_rank1",
-                   "--dsrl.data.reward_timeout_s", "2"], nprocs=2)
-    assert "did not return within 2 s (dsrl.data.reward_timeout_s)" in proc.stdout, proc.stdout[-3000:]
-    (rollout,) = _rows(out, "rollout")
-    assert rollout["reward_timeouts"] == 1 and rollout["masked_samples"] == 1
-    assert len(_rows(out, "step")) == 2
 
 
 def test_stuck_rank_ends_the_job_naming_phase_and_rank(tmp_path):
