@@ -86,17 +86,22 @@ def _probe_writable(folder: str, field_name: str) -> None:
                           ) from None
 
 
+def _make_writable_dir(folder: str, field_name: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{field_name}: cannot create {folder} ({e.strerror}). Fix: choose a path you can "
+                          "write.") from None
+    _probe_writable(folder, field_name)
+
+
 def prepare_directories(output_dir: str) -> None:
     """Create the output and checkpoint directories; refuse files in their place and unwritable ones."""
     field_name = f"dsrl.run.output_dir = {output_dir!r}"
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"{field_name} is an existing file, not a directory. Fix: choose a directory path "
                           "(it is created if missing).")
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{field_name}: cannot create it ({e.strerror}). Fix: choose a path you can write.") from None
-    _probe_writable(output_dir, field_name)
+    _make_writable_dir(output_dir, field_name)
     ckpt_dir = os.path.join(output_dir, CHECKPOINTS)
     if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
         raise ConfigError(f"{field_name}: {ckpt_dir} is a file, but checkpoints go into a directory of that name. "
@@ -105,11 +110,7 @@ def prepare_directories(output_dir: str) -> None:
     if os.path.isdir(metrics):
         raise ConfigError(f"{field_name}: {metrics} is a directory, but the metrics go into a file of that name. "
                           "Fix: move it away or choose another output_dir.")
-    try:
-        os.makedirs(ckpt_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{field_name}: cannot create {ckpt_dir} ({e.strerror}).") from None
-    _probe_writable(ckpt_dir, f"{field_name} (its checkpoints/ directory)")
+    _make_writable_dir(ckpt_dir, f"{field_name} (its checkpoints/ directory)")
 
 
 # --------------------------------------------------------------------------------------------

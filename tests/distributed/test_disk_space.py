@@ -11,12 +11,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
-from conftest import REPO, launch
+from conftest import REPO, launch, one_rank
 
 ROLLOUTS = 3
 
@@ -29,11 +27,7 @@ def _mount(target, options: str) -> None:
 
 
 def _single(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return one_rank(["launch/train.py", *args], timeout=300)
 
 
 def test_disk_full_read_only_and_zero0_resume_on_fewer_ranks(tmp_path):

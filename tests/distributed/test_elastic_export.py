@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, launch
+from conftest import REPO, launch, one_rank
 
 WORKER = "tests/workers/reliability_worker.py"
 ROLLOUTS = 3
@@ -39,11 +37,8 @@ def run_file(tmp_path, stage: int) -> str:
 
 
 def single(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """One rank with plain ``python`` (no launcher)."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """One rank with plain ``python`` (no launcher); must succeed."""
+    proc = one_rank(args, timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 

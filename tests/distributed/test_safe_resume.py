@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, free_port, launch
+from conftest import REPO, free_port, launch, one_rank
 
 ROLLOUTS = 3
 
@@ -42,11 +42,7 @@ def run_file(tmp_path) -> str:
 
 def single(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """``python launch/train.py ARGS`` as one rank."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return subprocess.run([sys.executable, "launch/train.py", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return one_rank(["launch/train.py", *args], timeout)
 
 
 def rows(path, event: str) -> list[dict]:
