@@ -140,6 +140,9 @@ class StopControl:
             return
         log.error("rank %d: still running %g s after the stop request (%s); exiting", collectives.rank(),
                   self.grace_s, self.reason)
+        from dsrl.output_lock import release_all
+
+        release_all()
         logging.shutdown()
         os._exit(128 + (self.signum or signal.SIGTERM))
 
