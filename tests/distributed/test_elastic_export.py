@@ -118,10 +118,12 @@ def test_elastic_resume_and_export(stage, tmp_path):
     assert AutoTokenizer.from_pretrained(out / "final_model", local_files_only=True)("ab")["input_ids"]
     names = {p.name for p in (out / "final_model").iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names, names
-    # `dsrl export` from one ZeRO checkpoint directory, in one process, whatever rank count wrote it.
+    # `dsrl export` from one ZeRO checkpoint directory (written by 1 rank; rollout3 by 2), in this process.
+    from dsrl.cli import main as dsrl_cli
+
     target = tmp_path / "exported"
-    cli = single(["-m", "dsrl.cli", "export", str(ckpt / "rollout2"), "--out", str(target)])
-    assert "wrote" in cli.stdout
+    assert dsrl_cli(["export", str(ckpt / "rollout2"), "--out", str(target)]) == 0
+    assert dsrl_cli(["export", str(ckpt / "rollout2"), "--out", str(target)]) == 2  # exists: refused
     exported = AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=torch.float32).state_dict()
     want = consolidated_state_dict(str(ckpt / "rollout2"))
     assert all(torch.equal(exported[k], want[k]) for k in want if k in exported)
