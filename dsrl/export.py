@@ -86,8 +86,8 @@ def resolve(source: str, checksums: bool = True) -> tuple[str, str]:
     the newest complete checkpoint, verified (ConfigError naming a damaged file)."""
     from dsrl.run_dir import choose, classify
 
-    folder, tags, _, _ = classify(source, source)
-    point, _ = choose(folder, tags, explicit=True, checksums=checksums)
+    folder, tags, _, _ = classify(source, source, what="dsrl export")
+    point, _ = choose(folder, tags, explicit=True, checksums=checksums, what="dsrl export")
     assert point is not None  # choose raises for an explicit source it cannot use
     return point.ckpt_dir, point.tag
 

@@ -123,17 +123,19 @@ def _looks_like_tag(path: str) -> bool:
     return any(n.endswith("model_states.pt") for n in os.listdir(path))
 
 
-def classify(resume: str, own_ckpt_dir: str) -> tuple[str, list[str], bool, str | None]:
-    """``(ckpt_dir, candidate tags newest first, explicit, note about latest)`` for ``run.resume``."""
+def classify(resume: str, own_ckpt_dir: str, what: str = "dsrl.run.resume") -> tuple[str, list[str], bool, str | None]:
+    """``(ckpt_dir, candidate tags newest first, explicit, note about latest)`` for ``run.resume`` (errors
+    name ``what``: the field, or the command that asked)."""
     if resume == "never":
         return own_ckpt_dir, [], False, None
     if resume == "auto":
         tags, problem = ckpt.candidate_tags(own_ckpt_dir)
         return own_ckpt_dir, tags, False, problem
-    field_name = f"dsrl.run.resume = {resume!r}"
+    field_name = f"{what} = {resume!r}" if what.startswith("dsrl.") else f"{what} {resume}"
     if not os.path.isdir(resume):
+        modes = ", or use 'auto' or 'never'" if what == "dsrl.run.resume" else ""
         raise ConfigError(f"{field_name}: no such directory. Fix: give a run's output directory, its checkpoints/ "
-                          "directory or one checkpoint directory, or use 'auto' or 'never'.")
+                          f"directory or one checkpoint directory{modes}.")
     path = os.path.abspath(resume)
     if _looks_like_tag(path):
         parent, tag = os.path.split(path.rstrip(os.sep))
@@ -156,7 +158,8 @@ def _previous_hint(ckpt_dir: str, tag: str) -> str:
     return f"--resume {os.path.join(ckpt_dir, older[0])}" if older else "there is none; start over with --overwrite"
 
 
-def choose(ckpt_dir: str, tags: list[str], explicit: bool, checksums: bool) -> tuple[ResumePoint | None, list[str]]:
+def choose(ckpt_dir: str, tags: list[str], explicit: bool, checksums: bool,
+           what: str = "dsrl.run.resume") -> tuple[ResumePoint | None, list[str]]:
     """The first candidate whose files match its manifest (collective), and the notes on damaged ones.
 
     An explicit source is used as named or not at all (ConfigError naming the damaged file).
@@ -170,9 +173,9 @@ def choose(ckpt_dir: str, tags: list[str], explicit: bool, checksums: bool) -> t
             return ResumePoint(ckpt_dir, tag, explicit, layout), notes
         more = f" (and {len(bad) - 1} more problem(s))" if len(bad) > 1 else ""
         if explicit:
-            raise ConfigError(f"dsrl.run.resume: checkpoint {root} is damaged: {bad[0]}{more}. Fix: resume from an "
-                              f"earlier checkpoint: {_previous_hint(ckpt_dir, tag)} (--resume auto picks the newest "
-                              "intact one of this run).")
+            raise ConfigError(f"{what}: checkpoint {root} is damaged: {bad[0]}{more}. Fix: use an earlier "
+                              f"checkpoint: {_previous_hint(ckpt_dir, tag)} (--resume auto picks the newest intact "
+                              "one of this run).")
         nxt = tags[i + 1] if i + 1 < len(tags) else None
         notes.append(f"checkpoint {root} is damaged: {bad[0]}{more}; "
                      + (f"falling back to the previous complete checkpoint {nxt}" if nxt else "no earlier one is left"))
