@@ -1,6 +1,8 @@
-"""The ``dsrl`` command: ``dsrl plan`` prints the batch plan; ``dsrl check`` explains the self-check.
+"""The ``dsrl`` command: ``dsrl plan`` prints the batch plan; ``dsrl export`` writes a checkpoint as a
+Hugging Face model directory; ``dsrl check`` explains the self-check.
 
 ``dsrl plan --ds_config FILE [--world_size N] [--dataset_size M] [--lengths FILE] [--json] [--dsrl.x.y V ...]``
+``dsrl export RUN_OR_CHECKPOINT_DIR --out DIR [--dtype auto|float32|bfloat16|float16] [--overwrite]``
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from dsrl.config import Config, ConfigError, load_config, parse_override_args
 from dsrl.plan import BatchPlan
+from dsrl.run_errors import RunError
 
 
 def _dataset_size(cfg: Config, given: int | None) -> int | None:
@@ -133,6 +136,26 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
+def cmd_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsrl export", description="Write a checkpoint as a Hugging Face model "
+                                     "directory (safetensors, config, generation config, tokenizer).")
+    parser.add_argument("source", help="a run's output directory (its newest checkpoint), its checkpoints/ "
+                                       "directory, or one checkpoint directory")
+    parser.add_argument("--out", required=True, help="the model directory to write")
+    parser.add_argument("--dtype", default="auto", help="auto (the training dtype) | float32 | bfloat16 | float16")
+    parser.add_argument("--engine", default=None, help="sub-directory of a second engine inside the checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--no_checksums", action="store_true", help="verify file sizes only")
+    args = parser.parse_args(argv)
+    _quiet_deepspeed_logs()
+    from dsrl.export import export_checkpoint
+
+    out = export_checkpoint(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, engine=args.engine,
+                            checksums=not args.no_checksums)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -143,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cmd == "plan":
             return cmd_plan(rest)
+        if cmd == "export":
+            return cmd_export(rest)
         if cmd == "check":
             from dsrl.check import main as check_main
 
@@ -150,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dsrl: configuration error: {e}", file=sys.stderr)
         return 2
-    print(f"dsrl: unknown command {cmd!r} (use 'plan' or 'check')", file=sys.stderr)
+    except RunError as e:
+        print(f"dsrl: error: {e}", file=sys.stderr)
+        return 1
+    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export' or 'check')", file=sys.stderr)
     return 2
 
 

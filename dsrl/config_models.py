@@ -141,6 +141,26 @@ class RunConfig(Section):
         None, "end this invocation after N rollouts with a checkpoint (job time limits); the plan, schedule and "
               "progress total are unchanged and --resume continues", "rollouts", gt=0)
     progress_bar: bool = setting(True, "show a tqdm bar over optimizer steps (rank 0)")
+    overwrite: bool = setting(
+        False, "start over in an output_dir that already holds a run: delete its checkpoints, metrics.jsonl and "
+               "final model first (without it such a start is refused; docs/reliability.md)")
+    export_final: bool = setting(
+        True, "after the last rollout, write the final checkpoint as a Hugging Face model directory to "
+              "<output_dir>/final_model (needs save_final)")
+    checkpoint_checksums: bool = setting(
+        True, "record a CRC-32 of every checkpoint file in its MANIFEST.json and verify it on resume and export "
+              "(false: sizes only)")
+    join_timeout_s: float | None = setting(
+        None, "how long rank 0 waits for every rank to join the process group; unset = $DSRL_INIT_TIMEOUT_S, "
+              "else 300", "seconds", gt=0)
+    collective_timeout_s: float = setting(
+        1800.0, "a rank that has not reached a collective (or the end of a phase: generation, reward, step, save) "
+                "this long after the first rank ends the job with a message naming the phase and the rank",
+        "seconds", gt=0)
+    stop_grace_s: float = setting(
+        25.0, "after SIGTERM/SIGINT or the death of the launcher: finish the rollout and checkpoint if that fits "
+              "in this time, else stop at the next mini-batch boundary; a rank still running after it exits",
+        "seconds", gt=0)
 
     @model_validator(mode="after")
     def _one_length(self) -> RunConfig:
@@ -189,6 +209,10 @@ class DataConfig(Section):
     size: int = setting(512, "number of prompts a built-in task generates", "prompts", gt=0)
     max_prompt_tokens: int = setting(64, "prompts are truncated to this many tokens", "tokens", gt=0)
     chat_template: bool = setting(False, "apply the tokenizer's chat template to prompts")
+    reward_timeout_s: float | None = setting(
+        600.0, "limit on one call of reward_fn (per sample for a per-sample function, per batch for a batched "
+               "one); a call past it masks its samples and counts them in reward_timeouts (null = no limit)",
+        "seconds", gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -351,6 +375,19 @@ class DsrlConfig(Section):
                 f"dsrl.batch.max_tokens_per_micro_batch T = {T} is smaller than the longest possible sequence "
                 f"(data.max_prompt_tokens + rollout.max_new_tokens = {max_len}). Fix: raise T to >= {max_len} "
                 "or set dsrl.batch.allow_oversize = true to place such sequences alone."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reward_timeout_below_collective_bound(self) -> DsrlConfig:
+        """`data.reward_timeout_s`, when set, is smaller than `run.collective_timeout_s`: a reward call must give
+        up before the other ranks stop waiting for it."""
+        limit, bound = self.data.reward_timeout_s, self.run.collective_timeout_s
+        if limit is not None and limit >= bound:
+            raise ConfigError(
+                f"dsrl.data.reward_timeout_s = {limit} is not below dsrl.run.collective_timeout_s = {bound}: the "
+                "other ranks would end the job before a stuck reward call is given up. Fix: lower "
+                "reward_timeout_s or raise collective_timeout_s."
             )
         return self
 

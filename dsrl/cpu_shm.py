@@ -12,6 +12,15 @@ machine's memory) until a later job thrashes or hangs in its first collective.
 (after a barrier): the mappings stay valid, and the kernel frees the memory when the last process
 of the job exits, even after ``kill -9``. :func:`check_room` refuses to start when ``/dev/shm``
 cannot hold the segments of the job, naming the stale ones.
+
+Between the creation of a segment and that barrier a rank can be interrupted (Ctrl-C during start-up,
+the launcher's SIGTERM then SIGKILL, a peer that never arrives while DeepSpeed's C++ code spins waiting
+for its segment, where no Python signal handler can run). :func:`arm_cleaner` covers that window: before
+the process group starts, each rank starts a tiny detached watcher process that holds the read end of
+a pipe. When the rank's write end closes, because the segment was released or because the rank died
+in any way, the watcher unlinks the rank's segment name and exits. It ignores SIGINT/SIGTERM/SIGHUP,
+runs in its own session (a terminal's Ctrl-C does not reach it) and is re-parented away from the rank
+(a launcher's process-tree kill does not find it).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
+import sys
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
@@ -81,3 +92,55 @@ def release_segments() -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+_CLEANER = r"""
+import os, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+if os.fork():
+    os._exit(0)
+try:
+    while os.read(0, 64):
+        pass
+except OSError:
+    pass
+for path in sys.argv[1:]:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+"""
+
+
+class Cleaner:
+    """The watcher of one rank's segment names (module docstring); :meth:`disarm` ends it."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+        self._pipe = None
+        try:
+            proc = subprocess.Popen([sys.executable, "-S", "-c", _CLEANER, *paths], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                                    start_new_session=True)
+            self._pipe = proc.stdin
+            proc.wait()  # the intermediate exits at once; its child (the watcher) lives on, detached
+        except OSError:
+            self._pipe = None  # best effort: without a watcher the barrier-time unlink still applies
+
+    def disarm(self) -> None:
+        """Close the pipe: the watcher unlinks the (already released) names and exits."""
+        if self._pipe is not None:
+            try:
+                self._pipe.close()
+            except OSError:
+                pass
+            self._pipe = None
+
+
+def arm_cleaner(rank: int) -> Cleaner | None:
+    """Start the watcher of ``rank``'s segment before DeepSpeed creates it (CPU accelerator, all ranks on
+    this machine, i.e. when DeepSpeed will create one); None otherwise."""
+    if not os.path.isdir(SHM_DIR) or not _cpu_accelerator():
+        return None
+    return Cleaner([segment_path(rank)])

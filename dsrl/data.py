@@ -83,8 +83,16 @@ def load_prompts(data_cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
         return get_task(data_cfg.task).make_prompts(data_cfg.size, seed)
     ds = _read_file(data_cfg)
     _check_columns(data_cfg, ds.column_names)
-    prompts = ds[data_cfg.prompt_key]
-    answers = ds[data_cfg.answer_key]
+    try:  # datasets decodes text lazily: invalid UTF-8 surfaces here
+        prompts = list(ds[data_cfg.prompt_key])
+        answers = list(ds[data_cfg.answer_key])
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"dsrl.data.path = {data_cfg.path!r} is not valid UTF-8 ({e.reason}: byte "
+            f"{e.object[e.start:e.start + 1]!r} in {bytes(e.object[max(e.start - 20, 0):e.start + 10])!r}). "
+            "Fix: re-encode the file as UTF-8, e.g. "
+            "iconv -f latin1 -t utf-8."
+        ) from None
     for i, p in enumerate(prompts):
         if not isinstance(p, str):
             raise ConfigError(
@@ -146,51 +154,27 @@ def _is_per_sample(fn: Callable[..., Any]) -> bool:
     return bool({"prompt", "completion", "answer"} & set(names[:3]))
 
 
-def as_batched(fn: Callable[..., Any], field_name: str = "dsrl.data.reward_fn") -> RewardFn:
-    """Wrap ``fn`` as ``(prompts, completions, answers) -> list[float]``, checking the output length.
+def as_batched(fn: Callable[..., Any], field_name: str = "dsrl.data.reward_fn", spec: str | None = None,
+               timeout_s: float | None = None) -> RewardFn:
+    """Wrap ``fn`` as ``(prompts, completions, answers) -> list[float]`` that keeps the reward contract
+    (:mod:`dsrl.reward_contract`: numbers, one per completion, each call within ``timeout_s``).
 
     ``fn`` is called once per sample when it is per-sample (see :func:`_is_per_sample`), else once
-    per batch. Values are converted to ``float``; NaN is allowed (the sample is then masked out).
+    per batch. NaN is allowed (the sample is then masked out).
     """
-    per_sample = _is_per_sample(fn)
+    from dsrl.reward_contract import RewardCaller
 
-    def batched(prompts: list[str], completions: list[str], answers: list[Any]) -> list[float]:
-        if not len(prompts) == len(completions) == len(answers):
-            raise ValueError(
-                f"reward inputs differ in length: {len(prompts)} prompts, {len(completions)} completions, "
-                f"{len(answers)} answers"
-            )
-        if per_sample:
-            out = [fn(p, c, a) for p, c, a in zip(prompts, completions, answers)]
-        else:
-            out = fn(prompts, completions, answers)
-        try:
-            values = [float(v) for v in out]
-        except TypeError as e:
-            raise ConfigError(
-                f"{field_name}: {getattr(fn, '__name__', fn)!r} returned {type(out).__name__}, not a list of numbers "
-                "(a batched function returns one reward per completion; name the parameters "
-                "prompt/completion/answer or set fn.batched = False for a per-sample function)."
-            ) from e
-        if len(values) != len(completions):
-            raise ConfigError(
-                f"{field_name}: {getattr(fn, '__name__', fn)!r} returned {len(values)} rewards for "
-                f"{len(completions)} completions."
-            )
-        return values
-
-    batched.__name__ = getattr(fn, "__name__", "reward_fn")
-    batched.__doc__ = getattr(fn, "__doc__", None)
-    return batched
+    return RewardCaller(fn, _is_per_sample(fn), field_name, spec=spec, timeout_s=timeout_s)
 
 
 def load_reward_fn(data_cfg: DataConfig) -> RewardFn:
     """The run's reward: ``data.reward_fn`` when set, else the built-in task's partial-credit reward."""
     if data_cfg.reward_fn:
-        return as_batched(import_object(data_cfg.reward_fn))
+        return as_batched(import_object(data_cfg.reward_fn), spec=data_cfg.reward_fn,
+                          timeout_s=data_cfg.reward_timeout_s)
     from dsrl.tasks import get_task  # no reward_fn: DataConfig guarantees a built-in task
 
-    return as_batched(get_task(data_cfg.task).rewards)
+    return as_batched(get_task(data_cfg.task).rewards, timeout_s=data_cfg.reward_timeout_s)
 
 
 def load_accuracy_fn(data_cfg: DataConfig) -> RewardFn | None:

@@ -147,8 +147,9 @@ def _check_zero_support(optimizer: torch.optim.Optimizer, ds: dict[str, Any], ds
         stage = ds_cfg.zero_optimization_stage
         if "grad_accum_dtype" in str(e) and stage == 0:
             # dsrl asks for fp32 gradient accumulation under bf16/fp16 (ds_config.py); ZeRO-0 cannot do it.
+            dtype = "bf16" if (ds.get("bf16") or {}).get("enabled") else "fp16"
             raise ConfigError(
-                f"ds_config zero_optimization.stage = 0 with {'bf16' if (ds.get('bf16') or {}).get('enabled') else 'fp16'}: "
+                f"ds_config zero_optimization.stage = 0 with {dtype}: "
                 "DeepSpeed's ZeRO-0 accumulates gradients only in the model's dtype, while dsrl accumulates "
                 "them in fp32 for an exact mini-batch gradient (DeepSpeed: "
                 f"{str(e).strip().rstrip('.')}). Fix: set zero_optimization.stage to 1 (on one device it "

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl import checkpoint as ckpt
-from dsrl import cpu_shm
+from dsrl import cpu_shm, watchdog
 from dsrl.autoep import ensure_transformers_compat, expert_parallel_enabled
 from dsrl.autotp import check_model_for_tensor_parallel, tensor_parallel_size
 from dsrl.config import Config, ConfigError, load_config
@@ -35,6 +35,7 @@ from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.fused import apex_adam_for
 from dsrl.parallel import ParallelView, deepspeed_view
 from dsrl.plan import BatchPlan
+from dsrl.run_errors import RunError
 from dsrl.schedule import PlannedScheduler
 from dsrl.step_core import Log, MicroBatch, MiniBatchCounts, StepCore, StepInputs, StepResult, Update
 
@@ -47,34 +48,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_distributed() -> None:
+def ensure_distributed(join_timeout_s: float | None = None, collective_timeout_s: float | None = None) -> None:
     """Initialise torch.distributed and DeepSpeed's communication backend; a plain ``python`` run
     becomes 1 rank.
 
-    ``DSRL_INIT_TIMEOUT_S`` (seconds) bounds the wait for every rank to join the process group. On the
-    CPU accelerator the shared-memory all-reduce segments DeepSpeed creates are checked for room
-    before and unlinked after (:mod:`dsrl.cpu_shm`), so no job leaks ``/dev/shm``.
+    Joining is bounded by ``join_timeout_s`` (else ``$DSRL_INIT_TIMEOUT_S``, else
+    :data:`dsrl.watchdog.DEFAULT_JOIN_TIMEOUT_S`): a rank that never starts ends the job with a
+    sentence instead of DeepSpeed's 30-minute wait. Afterwards every collective of the default group
+    is bounded by ``collective_timeout_s`` when given (:mod:`dsrl.watchdog`). On the CPU accelerator
+    the shared-memory all-reduce segments DeepSpeed creates are checked for room before and unlinked
+    after (:mod:`dsrl.cpu_shm`), with a watcher process that removes them even if the start-up is
+    interrupted, so no job leaks ``/dev/shm``.
     """
     import deepspeed
 
     kwargs = {}
-    if not dist.is_initialized():
+    cleaner = None
+    starting = not dist.is_initialized()
+    if starting:
         if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        timeout_s = os.environ.get("DSRL_INIT_TIMEOUT_S")
-        if timeout_s:
-            from datetime import timedelta
+        from datetime import timedelta
 
-            # Fail fast when a node never joins (DeepSpeed's default waits 10 minutes).
-            kwargs["timeout"] = timedelta(seconds=float(timeout_s))
+        kwargs["timeout"] = timedelta(seconds=watchdog.join_timeout_s(join_timeout_s))
         if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_SIZE"):
             cpu_shm.check_room(int(os.environ.get("LOCAL_SIZE", "1")))
-    # Over a process group the caller started, this only builds DeepSpeed's backend (and its shm
-    # segments), as deepspeed.initialize would later; either way they are released right here.
-    deepspeed.init_distributed(verbose=False, **kwargs)
-    cpu_shm.release_segments()
+            cleaner = cpu_shm.arm_cleaner(int(os.environ.get("RANK", "0")))
+    try:
+        # Over a process group the caller started, this only builds DeepSpeed's backend (and its shm
+        # segments), as deepspeed.initialize would later; either way they are released right here.
+        try:
+            deepspeed.init_distributed(verbose=False, **kwargs)
+        except RuntimeError as e:
+            if "timeout" in kwargs and watchdog.looks_like_timeout(e):
+                raise RunError(_join_failure(kwargs["timeout"].total_seconds(), e)) from e
+            raise
+        cpu_shm.release_segments()
+    finally:
+        if cleaner is not None:
+            cleaner.disarm()
+    if collective_timeout_s is not None or starting:
+        watchdog.set_collective_timeout(collective_timeout_s or watchdog.DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
+def _join_failure(seconds: float, exc: BaseException) -> str:
+    world, rank = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    first = str(exc).strip().splitlines()[0][:300]
+    return (f"rank {rank}: not all {world} ranks joined the process group at {where} within {seconds:g} s "
+            f"(dsrl.run.join_timeout_s, or ${watchdog.JOIN_TIMEOUT_ENV}); a node that never started its ranks "
+            "(see the launcher's output, e.g. pdsh's ssh errors) or a wrong MASTER_ADDR/port usually causes "
+            f"this. ({first})")
 
 
 def on_gpu() -> bool:
@@ -104,6 +130,7 @@ class RLEngine(StepCore):
         self.plan = plan
         self.scheduler = scheduler
         self.config = config
+        self.last_resume_notice: str | None = None  # set by load_checkpoint after an elastic resume
 
     # -- conveniences ---------------------------------------------------------------------------
     @property
@@ -198,16 +225,27 @@ class RLEngine(StepCore):
         client_state: dict[str, Any] | None = None,
         rank_state: dict[str, Any] | None = None,
         keep_last: int | None = None,
+        checksums: bool = True,
+        before_commit: Callable[[str], None] | None = None,
     ) -> str:
-        """Atomic checkpoint (see dsrl.checkpoint): engine + schedule + ``client_state`` + per-rank state."""
+        """Atomic checkpoint (see dsrl.checkpoint): engine + schedule + ``client_state`` + per-rank state,
+        with a manifest that records the files and this engine's layout (for elastic resume)."""
+        from dsrl.elastic import engine_layout
+
         state = {"engine": self.state_dict(), "client": client_state or {}}
-        return ckpt.save(self.engine, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last)
+        return ckpt.save(self.engine, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last,
+                         layout=engine_layout(self).to_dict(), checksums=checksums, before_commit=before_commit)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str | None, dict, dict | None]:
-        """Resume from the newest complete checkpoint; returns (tag, client_state, rank_state)."""
-        tag, state, rank_state = ckpt.load(self.engine, load_dir, tag)
+        """Resume from the newest complete checkpoint (or ``tag``), on this or another number of
+        data-parallel ranks (:mod:`dsrl.elastic`); returns (tag, client_state, rank_state)."""
+        from dsrl.elastic import load, saved_layout
+
+        tag = tag or ckpt.latest_complete_tag(load_dir)
         if tag is None:
             return None, {}, None
+        state, rank_state, notice = load(self, load_dir, tag, saved_layout(os.path.join(load_dir, tag)))
+        self.last_resume_notice = notice
         self.load_state_dict(state["engine"])
         return tag, state.get("client", {}), rank_state
 
@@ -243,7 +281,7 @@ def initialize(
     import deepspeed
 
     cfg = load_config(config, overrides)
-    ensure_distributed()
+    ensure_distributed(cfg.dsrl.run.join_timeout_s, cfg.dsrl.run.collective_timeout_s)
     dp = _data_parallel_size(cfg, mpu)
     plan = BatchPlan.from_config(cfg, dp, dataset_size)
     # The ds_config DeepSpeed will see and the LR schedule, checked by DeepSpeed's own classes first.

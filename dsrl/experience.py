@@ -21,6 +21,7 @@ Invariants kept by :class:`ExperienceMaker`:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, fields
@@ -33,6 +34,15 @@ from dsrl import algos
 from dsrl.batching import Sample, chunks, collate, completion_positions
 from dsrl.loss import kl_estimate, token_logprobs
 from dsrl.replica_data import is_source, share_with_tensor_peers
+
+
+class _NoWatch:
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        yield
+
+
+_NO_WATCH = _NoWatch()
 
 
 def derived_seed(*parts: int) -> int:
@@ -67,6 +77,7 @@ class RolloutStats:
     truncated_samples: float = 0.0
     groups_generated: float = 0.0
     groups_zero_variance: float = 0.0
+    reward_timeouts: float = 0.0  # samples masked because their reward call ran past data.reward_timeout_s
     rollout_s: float = 0.0
     train_s: float = 0.0
 
@@ -113,10 +124,13 @@ class ExperienceMaker:
         records = [t.prompts[i] for i in indices]
         prompt_ids = t.encode(t.tokenizer, [r["prompt"] for r in records], d.data.max_prompt_tokens,
                               d.data.chat_template) if records else []
-        # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
-        completions = t.backend.generate(prompt_ids, t.plan.samples_per_prompt, seed=seed)
-        # Tensor peers adopt their source's scored samples (dsrl.replica_data rule 2).
-        return share_with_tensor_peers(t.rl.view, lambda: self._score(indices, records, completions))
+        watch = getattr(t, "watch", None) or _NO_WATCH  # bounded phase ends (dsrl.watchdog)
+        with watch.phase("generation"):
+            # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
+            completions = t.backend.generate(prompt_ids, t.plan.samples_per_prompt, seed=seed)
+        with watch.phase("reward"):
+            # Tensor peers adopt their source's scored samples (dsrl.replica_data rule 2).
+            return share_with_tensor_peers(t.rl.view, lambda: self._score(indices, records, completions))
 
     def _score(self, indices: list[int], records: list[dict], completions: list) -> list[list[Sample]]:
         """Rewards (and accuracies) of one round's completions, as one group of samples per prompt."""
@@ -163,6 +177,7 @@ class ExperienceMaker:
             groups = self._generate_groups(take, seed)
             rounds += 1
             counted = float(is_source(t.rl.view))  # statistics count each replica's data once
+            stats.reward_timeouts += counted * getattr(t.reward_fn, "take_timeouts", int)()
             for g in groups:
                 self._shape_rewards(g)
                 flat = bool(algos.zero_variance_groups(masked_rewards(g), len(g))[0])

@@ -14,6 +14,7 @@ import math
 import os
 from typing import Any
 
+DROPPED = "metrics.dropped.jsonl"  # rows past a resume point, kept rather than deleted
 ROLLOUT_LINE_KEYS = (
     ("reward_mean", "reward {:.3f}"),
     ("accuracy", "acc {:.3f}"),
@@ -38,7 +39,9 @@ class MetricsWriter:
 
     def __init__(self, output_dir: str, rank: int, monitor: Any = None, resume_at: tuple[int, int] | None = None):
         """``resume_at = (rollout, optimizer_step)`` of the checkpoint a run resumed from: rows written
-        after it (by the attempt that crashed or stopped) are dropped, so the file reads as one run."""
+        after it (by the attempt that crashed or stopped) move to metrics.dropped.jsonl, so the file reads
+        as one run. Without ``resume_at`` the file is started anew (dsrl.run_dir refuses that when it holds
+        a run, unless run.overwrite)."""
         self.rank = rank
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -50,15 +53,23 @@ class MetricsWriter:
             self._file = open(self.path, "a" if resume_at is not None else "w", encoding="utf-8")  # noqa: SIM115
 
     def _truncate(self, rollout: int, step: int) -> None:
-        keep = []
-        with open(self.path, encoding="utf-8") as f:
+        """Keep the rows up to the resume point; the others go to ``metrics.dropped.jsonl`` (appended), so
+        no row is ever lost."""
+        keep, dropped = [], []
+        with open(self.path, encoding="utf-8", errors="replace") as f:
             for line in f:
+                line = line if line.endswith("\n") else line + "\n"
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line cut by the crash
-                if row.get("rollout", 0) <= rollout and row.get("optimizer_step", 0) <= step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
+                    dropped.append(line)  # a line cut by the crash
+                    continue
+                ok = isinstance(row, dict) and row.get("rollout", 0) <= rollout and row.get("optimizer_step", 0) <= step
+                (keep if ok else dropped).append(line)
+        if not dropped:
+            return
+        with open(os.path.join(os.path.dirname(self.path), DROPPED), "a", encoding="utf-8") as f:
+            f.writelines(dropped)
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(keep)
@@ -119,6 +130,7 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "accuracy": stats.accuracy_sum / stats.scored_accuracy if stats.scored_accuracy else None,
         "response_len": stats.completion_tokens / samples if samples else 0.0,
         "masked_samples": stats.masked_samples,
+        "reward_timeouts": stats.reward_timeouts,
         "truncated_frac": stats.truncated_samples / samples if samples else 0.0,
         "zero_variance_groups": stats.groups_zero_variance / stats.groups_generated if stats.groups_generated else 0.0,
         "sampling_rounds": float(sampling_rounds),

@@ -33,18 +33,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl import algos
+from dsrl import algos, collectives, watchdog
 from dsrl.batching import Sample, collate, collate_packed
+from dsrl.checkpoint import latest_complete_tag
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.ds_config import data_parallel_size
 from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.engine import RLEngine, ensure_distributed, initialize, on_gpu
 from dsrl.experience import ExperienceMaker, derived_seed, forward_logits
+from dsrl.export import export_checkpoint, write_hf_meta
 from dsrl.loss import clipped_policy_loss, kl_estimate, token_entropy, token_logprobs
 from dsrl.metrics import MetricsWriter, rollout_record
 from dsrl.partition import mini_batches, partition_mini_batch
 from dsrl.plan import BatchPlan
 from dsrl.replica_data import RolloutIndex, my_part
+from dsrl.reward_contract import all_timed_out
+from dsrl.run_dir import FINAL_MODEL, check_free_space, open_run_dir
+from dsrl.run_errors import RunError
+from dsrl.stop import StopControl, StopRun
+from dsrl.watchdog import Watch
 
 CHECKPOINT_SUBDIR = "checkpoints"
 log = logging.getLogger("dsrl.trainer")
@@ -67,7 +74,10 @@ class Trainer:
         self.d = d
         if resume is not None:
             d.run.resume = resume
-        ensure_distributed()
+        # Stop requests (signals, the launcher's death) are handled from here on (dsrl.stop).
+        self.stop = StopControl(d.run.stop_grace_s)
+        self.stop.install()
+        ensure_distributed(d.run.join_timeout_s, d.run.collective_timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.on_gpu = on_gpu()
         torch.manual_seed(d.run.seed)  # identical initial weights on every rank
@@ -84,9 +94,12 @@ class Trainer:
         # checks it again, cheaply, for callers that use it directly).
         plan = BatchPlan.from_config(self.cfg, data_parallel_size(self.cfg.ds_config, self.world), len(self.prompts))
         validated_deepspeed_config(self.cfg, plan, on_gpu=self.on_gpu)
+        # The output directory: lock, refusals, the verified checkpoint to continue from (dsrl.run_dir).
+        self.run_dir = open_run_dir(d.run, checksums=d.run.checkpoint_checksums)
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
                             seed=d.run.seed)
+        check_free_space(self.run_dir, model, d.run)
         self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 else None
         self.rl: RLEngine = initialize(model, self.cfg, dataset_size=len(self.prompts))
         self.plan = self.rl.plan
@@ -105,24 +118,20 @@ class Trainer:
         self.calls = 0  # mini-batches trained (applied or skipped)
         self.prompts_drawn = 0
         self.experience = ExperienceMaker(self)
+        self.watch = Watch(d.run.collective_timeout_s)  # phase ends bounded, missing ranks named (dsrl.watchdog)
         resumed = self._maybe_resume()
         self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
                                      resume_at=(self.rollout_index, self.rl.optimizer_steps) if resumed else None)
 
     # -- resume ---------------------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
-        mode = self.d.run.resume
-        if mode == "never":
+        point = self.run_dir.resume  # chosen and verified by dsrl.run_dir; any world size (dsrl.elastic)
+        if point is None:
             return False
-        load_dir = self.ckpt_dir if mode == "auto" else mode
-        if not os.path.isdir(load_dir):
-            if mode != "auto":
-                raise ConfigError(f"dsrl.run.resume = {mode!r}: no such checkpoint directory. Fix: point it at "
-                                  f"a run's checkpoints/ directory, or use 'auto' or 'never'.")
-            return False
-        tag, client, rank_state = self.rl.load_checkpoint(load_dir)
-        if tag is None:
-            return False
+        load_dir = point.ckpt_dir
+        tag, client, rank_state = self.rl.load_checkpoint(load_dir, point.tag)
+        if self.rl.last_resume_notice and self.rank == 0:
+            log.warning(self.rl.last_resume_notice)
         self.rollout_index = int(client["rollout"])
         self.calls = int(client["calls"])
         self.prompts_drawn = int(client.get("prompts_drawn", 0))
@@ -140,8 +149,12 @@ class Trainer:
         client = {"rollout": self.rollout_index, "calls": self.calls, "sampler": self.sampler.state_dict(),
                   "prompts_drawn": self.prompts_drawn}
         rank_state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
-        self.rl.save_checkpoint(self.ckpt_dir, tag, client_state=client, rank_state=rank_state,
-                                keep_last=self.d.run.keep_last)
+        t0 = time.perf_counter()
+        with self.watch.phase("save"):
+            self.rl.save_checkpoint(self.ckpt_dir, tag, client_state=client, rank_state=rank_state,
+                                    keep_last=self.d.run.keep_last, checksums=self.d.run.checkpoint_checksums,
+                                    before_commit=lambda path: write_hf_meta(path, self.rl.module, self.tokenizer))
+        self.stop.save_s = time.perf_counter() - t0
 
     # -- training -------------------------------------------------------------------------------
     def loss_fn(self, engine, micro):
@@ -200,6 +213,10 @@ class Trainer:
         rec = {"rollout": self.rollout_index + 1, "call": self.calls, "optimizer_step": res["optimizer_step"],
                **{k: res[k] for k in STEP_METRICS if k in res}}
         self.metrics.write("step", rec, res["optimizer_step"])
+        # A mini-batch boundary: every rank takes the same stop decision here (dsrl.stop).
+        self.stop.note_step(res.get("step_s", 0.0))
+        if self.stop.decide(self.plan.optimizer_steps_per_rollout - (self.calls - self._rollout_calls)) == "stop":
+            raise StopRun
 
     def _should_save(self, start: int) -> tuple[bool, bool]:
         """(save now, stop this invocation) after the rollout just finished."""
@@ -207,7 +224,8 @@ class Trainer:
         last = self.rollout_index == self.plan.rollouts
         stop = r.stop_after_rollouts is not None and self.rollout_index - start >= r.stop_after_rollouts
         periodic = bool(r.save_every) and self.rollout_index % r.save_every == 0
-        return periodic or (last and r.save_final) or stop, stop and not last
+        asked = self.stop.decide(0) is not None  # a stop request (collective): checkpoint this rollout and stop
+        return periodic or (last and r.save_final) or stop or asked, (stop or asked) and not last
 
     def run(self) -> dict[str, Any]:
         """Train to the plan's last rollout (or ``run.stop_after_rollouts``); returns the last rollout's record."""
@@ -218,12 +236,33 @@ class Trainer:
 
             bar = tqdm(total=plan.total_optimizer_steps, initial=self.rl.optimizer_steps, unit="step",
                        desc="dsrl", dynamic_ncols=True)
-        with _log_through(bar):
-            summary = self._loop(bar)
-        if bar is not None:
-            bar.close()
-        self.metrics.close()
+        self.stop.training = True
+        try:
+            with _log_through(bar):
+                summary = self._loop(bar)
+                if self._finished_here and self.d.run.export_final and self.d.run.save_final:
+                    self._export_final()
+        finally:
+            if bar is not None:
+                bar.close()
+            self.metrics.close()
+            self.stop.uninstall()
+            self.run_dir.release()
         return summary
+
+    def _export_final(self) -> None:
+        """The final checkpoint as a Hugging Face model directory, <output_dir>/final_model (rank 0 writes)."""
+        tag_dir = os.path.join(self.ckpt_dir, f"rollout{self.rollout_index}")
+        out = os.path.join(self.output_dir, FINAL_MODEL)
+        try:
+            with self.watch.phase("export"), watchdog.patience(4 * 3600.0):
+                collectives.on_rank0(lambda: export_checkpoint(tag_dir, out, overwrite=True, checksums=False))
+        except (ConfigError, RunError) as e:  # the run itself succeeded: say so, do not fail it
+            if self.rank == 0:
+                log.warning("run.export_final: could not export %s: %s", tag_dir, e)
+            return
+        if self.rank == 0:
+            log.info("exported the final model to %s (AutoModelForCausalLM.from_pretrained)", out)
 
     def _loop(self, bar: Any) -> dict[str, Any]:
         plan = self.plan
@@ -232,15 +271,23 @@ class Trainer:
                      plan.optimizer_steps_per_rollout, plan.total_optimizer_steps, self.world, self.output_dir)
         summary: dict[str, Any] = {}
         start = self.rollout_index
+        self._finished_here = False
         if start >= plan.rollouts and self.rank == 0:
             log.info("%s already holds the finished run (%d rollouts); nothing to do. Use a new "
-                     "--dsrl.run.output_dir or --resume never to start over.", self.output_dir, plan.rollouts)
+                     "--dsrl.run.output_dir, or --overwrite to start over.", self.output_dir, plan.rollouts)
         while self.rollout_index < plan.rollouts:
+            self._rollout_calls = self.calls
+            self.stop.new_rollout()
             local, stats, rounds = self.experience.make(self.rollout_index)
             log.debug("rank %d rollout %d: %d local samples (%d masked), %d sampling rounds, %.2fs", self.rank,
                       self.rollout_index + 1, len(local), sum(not s.active for s in local), rounds, stats.rollout_s)
             t0 = time.perf_counter()
-            results = self.train_rollout(local, lambda res: self._on_step(res, bar))
+            try:
+                with self.watch.phase("step"):
+                    results = self.train_rollout(local, lambda res: self._on_step(res, bar))
+            except StopRun:
+                self._log_stop(mid_rollout=True)
+                return summary
             stats.train_s = time.perf_counter() - t0
             self.rollout_index += 1
             summary = rollout_record(stats.summed(self.device), results, world=self.world,
@@ -249,6 +296,8 @@ class Trainer:
                                      prompt_epochs=self.prompts_drawn / len(self.prompts), sampling_rounds=rounds,
                                      local_train_s=stats.train_s)
             self.metrics.write("rollout", summary, self.rl.optimizer_steps)
+            if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
+                raise RunError(problem, agreed=True)
             if self.rank == 0 and (self.rollout_index % self.d.run.log_every == 0
                                    or self.rollout_index == plan.rollouts):
                 log.info(self.metrics.rollout_line(summary, plan.rollouts))
@@ -256,11 +305,24 @@ class Trainer:
             if save:
                 self.save()
             if stop:
-                if self.rank == 0:
+                if self.stop.decision is not None:
+                    self._log_stop(mid_rollout=False)
+                elif self.rank == 0:
                     log.info("stopping after %d rollouts of this invocation (run.stop_after_rollouts); resume with "
                              "--resume auto", self.d.run.stop_after_rollouts)
                 break
+        self._finished_here = self.rollout_index == plan.rollouts and self.rollout_index > start
         return summary
+
+    def _log_stop(self, mid_rollout: bool) -> None:
+        if self.rank != 0:
+            return
+        latest = latest_complete_tag(self.ckpt_dir)
+        where = (f"at optimizer step {self.rl.optimizer_steps}, a mini-batch boundary inside rollout "
+                 f"{self.rollout_index + 1} (the rest of it and a checkpoint did not fit in run.stop_grace_s)"
+                 if mid_rollout else f"after rollout {self.rollout_index} with a committed checkpoint")
+        log.warning("stopped on request (%s) %s; the last committed checkpoint is %s; continue with --resume auto",
+                    self.stop.reason, where, os.path.join(self.ckpt_dir, latest) if latest else "none")
 
 
 @contextlib.contextmanager

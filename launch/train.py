@@ -1,8 +1,12 @@
 """Train with dsrl: ``deepspeed [--num_gpus N] launch/train.py --ds_config configs/<name>.json [--dsrl.a.b V ...]``.
 
 Also runs as ``python launch/train.py ...`` (one rank). ``--resume auto|never|DIR`` overrides
-``dsrl.run.resume``. Any key of the ``"dsrl"`` section can be overridden with a dotted flag, e.g.
-``--dsrl.batch.samples_per_prompt 8 --dsrl.run.output_dir runs/try2``.
+``dsrl.run.resume`` (DIR: a run's output directory, its checkpoints/ directory or one checkpoint);
+``--overwrite`` is ``--dsrl.run.overwrite true``. Any key of the ``"dsrl"`` section can be overridden
+with a dotted flag, e.g. ``--dsrl.batch.samples_per_prompt 8 --dsrl.run.output_dir runs/try2``.
+
+Exit status: 0 done (or stopped by run.stop_after_rollouts), 2 configuration error, 1 run error (a
+sentence naming what failed), 128 + signal number when stopped on request (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -13,12 +17,18 @@ import os
 import sys
 
 from dsrl.config import ConfigError, parse_override_args
+from dsrl.output_lock import release_all
+from dsrl.run_errors import CollectiveTimeout, RunError
+from dsrl.stop import InterruptedStartup
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ds_config", required=True, help="the run file: a ds_config with a \"dsrl\" section")
-    parser.add_argument("--resume", default=None, help="auto | never | a checkpoint directory")
+    parser.add_argument("--resume", default=None,
+                        help="auto | never | a run's output directory, its checkpoints/ directory or one checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in an output directory that holds a run (same as --dsrl.run.overwrite true)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args, rest = parser.parse_known_args(argv)
     # dsrl logs to stdout; DSRL_LOG_LEVEL (forwarded to every node through .deepspeed_env) sets its level.
@@ -29,16 +39,33 @@ def main(argv: list[str] | None = None) -> int:
     logger.addHandler(handler)
     logger.propagate = False
     logger.setLevel(os.environ.get("DSRL_LOG_LEVEL", "INFO").upper())
+    quiet = os.environ.get("RANK", "0") != "0"  # an error every rank agreed on is printed by rank 0 only
     try:
         overrides = parse_override_args(rest)
+        if args.overwrite:
+            overrides["dsrl.run.overwrite"] = True
         from dsrl.trainer import Trainer
 
         trainer = Trainer(args.ds_config, overrides, resume=args.resume)
+        trainer.run()
     except ConfigError as e:
-        print(f"dsrl: configuration error: {e}", file=sys.stderr)
+        if not (quiet and getattr(e, "agreed", False)):
+            print(f"dsrl: configuration error: {e}", file=sys.stderr)
         return 2
-    trainer.run()
-    return 0
+    except RunError as e:
+        if not (quiet and e.agreed):
+            print(f"dsrl: error: {e}", file=sys.stderr)
+        if isinstance(e, CollectiveTimeout):
+            # A peer is stuck: tearing the process group down would wait for it. Leave now.
+            release_all()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        return 1
+    except (InterruptedStartup, KeyboardInterrupt) as e:
+        print(f"dsrl: interrupted ({e or 'SIGINT'})", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
+    return trainer.stop.exit_code
 
 
 if __name__ == "__main__":

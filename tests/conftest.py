@@ -86,6 +86,15 @@ def _launch_once(args: list[str], nprocs: int, timeout: float, env: dict | None,
     return proc, cmd
 
 
+def one_rank(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repo root as a job of one rank (no launcher; a launcher's rank variables
+    are dropped), this checkout's dsrl first on the path."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def write_json(path: Path, obj: dict) -> Path:
     path.write_text(json.dumps(obj, indent=1))
     return path

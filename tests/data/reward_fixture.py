@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 
 def exact_batched(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """Batched: 1.0 where the stripped completion equals the answer."""
@@ -19,3 +22,43 @@ def wrong_length(prompts: list[str], completions: list[str], answers: list[str])
 
 
 NOT_CALLABLE = 3
+
+
+_hung: list[bool] = []
+
+
+def hang_once_on_rank1(prompt: str, completion: str, answer: str) -> float:
+    """Per-sample; on rank 1 its first call never returns on its own (data.reward_timeout_s must end it)."""
+    if os.environ.get("RANK") == "1" and not _hung:
+        _hung.append(True)
+        time.sleep(3600)
+    return 1.0 / (1.0 + len(completion))
+
+
+def hang_on_rank1(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """Batched; never returns on rank 1 (with no reward timeout, the collective bound must end the job)."""
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return [0.5] * len(completions)
+
+
+def strings(prompts: list[str], completions: list[str], answers: list[str]) -> list[str]:
+    """Broken on purpose: text instead of numbers."""
+    return ["good"] * len(completions)
+
+
+def reverse_gated_first_call(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """The built-in reverse task's reward; with $DSRL_TEST_REWARD_GATE set, the first call of a process waits
+    (up to 120 s) until that file exists, keeping the job busy while a test acts on it."""
+    from dsrl.tasks import get_task
+
+    gate = os.environ.get("DSRL_TEST_REWARD_GATE")
+    if gate and not _gated:
+        _gated.append(True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return get_task("reverse").rewards(prompts, completions, answers)
+
+
+_gated: list[bool] = []

@@ -277,6 +277,26 @@ def test_later_host_unreachable_fails_bounded(cluster: Cluster, launch_dir: Path
     assert cluster.wait_no_leftovers() == []
 
 
+def test_train_job_bounds_the_join_without_environment_variables(cluster: Cluster, launch_dir: Path) -> None:
+    """The training job with a later host unreachable and no DSRL_* variable: rank 0 gives up at the join
+    bound of its run file (run.join_timeout_s; 300 s when unset, tests/unit/test_reliability_units.py) with a
+    sentence, and nothing is left running."""
+    cluster.write_hostfile(launch_dir / "hostfile", [HOSTS[0], UNREACHABLE_HOST])
+    config = json.loads(MAIN_CONFIG.read_text())
+    config["dsrl"]["run"]["join_timeout_s"] = 8
+    run_file = launch_dir / "run.json"
+    run_file.write_text(json.dumps(config))
+    env = cluster.env(base_env())
+    assert not any(k.startswith("DSRL_") for k in env)
+    res = run_deepspeed(pdsh_args(launch_dir / "hostfile", str(TRAIN), "--ds_config", str(run_file),
+                                  "--dsrl.run.output_dir", str(launch_dir / "out")), launch_dir, env, timeout=120,
+                        cluster=cluster)
+    assert res.returncode != 0, res.tail()
+    assert "rank 0: not all 2 ranks joined the process group" in res.output and "within 8 s" in res.output, res.tail()
+    assert res.wall_s < 100, res.wall_s
+    assert cluster.wait_no_leftovers() == []
+
+
 def test_preflight_names_unreachable_host(cluster: Cluster, launch_dir: Path) -> None:
     env = cluster.env(base_env())
     problems = launch_env.check_hosts([HOSTS[0], UNREACHABLE_HOST, HOSTS[1]], cwd=launch_dir, environ=env)
