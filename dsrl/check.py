@@ -16,6 +16,12 @@ unsharded, in float64. Under AutoTP the mini-batch is split over the D data-para
 every tensor peer of a replica gets the same micro-batches; the gathered update is compared per
 parameter (dense and expert parameters alike).
 
+``--objective`` picks the per-token loss whose normalization is checked: ``policy`` (``-A log pi``, the
+default), ``gspo`` (the sequence-level clipped ratio of :func:`dsrl.loss.sequence_clipped_policy_loss`)
+or ``value`` (the critic's clipped value loss, :func:`dsrl.loss.clipped_value_loss`, on a tiny
+``AutoModelForTokenClassification`` value model). Each reference is written from the definition,
+not with dsrl.loss.
+
 The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
 it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
 """
@@ -44,6 +50,9 @@ MODELS = ("auto", "tiny", "llama", "qwen2", "mixtral")
 # --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
 # counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp)
 METHODS = ("dsrl", "naive", "world_count")
+OBJECTIVES = ("policy", "gspo", "value")
+RATIO_CLIP = 0.1  # gspo objective: clip_low = clip_high (the data's ratios fall on both sides of it)
+VALUE_CLIP = 0.2  # value objective: |V - V_old| <= VALUE_CLIP
 SPLITS = ("even", "uneven", "pad_rank", "empty")
 # Accepted by --splits but not run by default: token-budget micro-batches from dsrl.partition.
 EXTRA_SPLITS = ("token_budget",)
@@ -83,8 +92,22 @@ def hf_model(arch: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager")
 
 
-def build_model(arch: str) -> torch.nn.Module:
+def value_model(arch: str) -> torch.nn.Module:
+    """The critic's architecture (dsrl.critic): a tiny ``AutoModelForTokenClassification`` with one label and no
+    head dropout, Qwen2 (``tiny``/``auto``) or Llama."""
+    from transformers import AutoModelForTokenClassification, LlamaConfig, Qwen2Config
+
+    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    config = cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0,
+                 intermediate_size=2 * HIDDEN, num_labels=1, classifier_dropout=0.0)
+    return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+
+
+def build_model(arch: str, objective: str = "policy") -> torch.nn.Module:
     """The check's model, initialised from the current torch seed."""
+    if objective == "value":
+        return value_model(arch)
     return TinyCausalModel() if arch == "tiny" else hf_model(arch)
 
 
@@ -101,12 +124,60 @@ def model_for(ds_config: dict, requested: str) -> str:
     return "llama" if tensor_parallel_size(ds_config) > 1 else "tiny"
 
 
-def per_token_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A policy-gradient-shaped loss: -A_seq * log pi(next token), ``[b, t]``."""
+def _logprobs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(micro["input_ids"])
     logits = getattr(logits, "logits", logits)  # a transformers model returns an output object
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+
+
+def per_token_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A policy-gradient-shaped loss: -A_seq * log pi(next token), ``[b, t]``."""
+    logp = _logprobs(model, micro)
     return -micro["advantages"].unsqueeze(-1).to(logp.dtype) * logp
+
+
+def gspo_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """dsrl's GSPO per-token loss (:func:`dsrl.loss.sequence_clipped_policy_loss`), ``[b, t]``."""
+    from dsrl.loss import sequence_clipped_policy_loss
+
+    logp = _logprobs(model, micro)
+    return sequence_clipped_policy_loss(logp, micro["old_logprobs"].to(logp.dtype), micro["advantages"].to(logp.dtype),
+                                        micro["loss_mask"], RATIO_CLIP, RATIO_CLIP)[0]
+
+
+def value_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """dsrl's critic loss (:func:`dsrl.loss.clipped_value_loss`) on the value model's output, ``[b, t]``."""
+    from dsrl.critic import forward_values
+    from dsrl.loss import clipped_value_loss
+
+    values = forward_values(model, {"input_ids": micro["input_ids"], "position_ids": None})
+    return clipped_value_loss(values, micro["old_values"].to(values.dtype), micro["returns"].to(values.dtype),
+                              VALUE_CLIP)[0]
+
+
+LOSSES = {"policy": per_token_loss, "gspo": gspo_loss, "value": value_loss}
+
+
+def reference_per_token_loss(model: Any, batch: dict[str, torch.Tensor], objective: str) -> torch.Tensor:
+    """The objective's per-token loss in float64, written from its definition (masked positions arbitrary)."""
+    mask = batch["loss_mask"].double()
+    if objective == "value":
+        out = model(batch["input_ids"])
+        v = out.logits[..., 0]
+        r, v_old = batch["returns"].double(), batch["old_values"].double()
+        v_clipped = torch.minimum(torch.maximum(v, v_old - VALUE_CLIP), v_old + VALUE_CLIP)
+        return 0.5 * torch.maximum((v - r) ** 2, (v_clipped - r) ** 2)
+    logits = model(batch["input_ids"])
+    logits = getattr(logits, "logits", logits)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+    adv = batch["advantages"].double()
+    if objective == "policy":
+        return -adv.unsqueeze(-1) * logp
+    # gspo: one ratio per sequence, s_i = exp(mean over its valid tokens of log pi - log pi_old)
+    diff = torch.where(mask > 0, logp - batch["old_logprobs"].double(), torch.zeros_like(logp))
+    s = torch.exp(diff.sum(-1) / mask.sum(-1).clamp(min=1))
+    per_seq = -torch.minimum(s * adv, s.clamp(1 - RATIO_CLIP, 1 + RATIO_CLIP) * adv)
+    return per_seq.unsqueeze(-1).expand_as(logp)
 
 
 def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -124,6 +195,15 @@ def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, tor
             mask.zero_()
         adv = torch.randn((), generator=g) * 2
         seqs.append({"input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv})
+    # Per-token data of the gspo/value objectives, from a second stream (the first one's draws stay as they were).
+    g2 = torch.Generator().manual_seed(seed + 7919)
+    for s in seqs:
+        n = s["input_ids"].shape[0]
+        # log pi_old ~ the tiny model's log-probs (about -log VOCAB) with noise: sequence ratios on both sides
+        # of the clip range
+        s["old_logprobs"] = -torch.log(torch.tensor(float(VOCAB))) + 0.3 * torch.randn(n, generator=g2)
+        s["old_values"] = torch.randn(n, generator=g2) * 0.3
+        s["returns"] = torch.randn(n, generator=g2)
     return seqs
 
 
@@ -131,12 +211,16 @@ def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence of this micro-batch."""
     t = max(s["input_ids"].shape[0] for s in seqs)
     out = {k: torch.zeros(len(seqs), t, dtype=torch.long) for k in ("input_ids", "targets", "loss_mask")}
+    out.update({k: torch.zeros(len(seqs), t) for k in _FLOAT_KEYS if k in seqs[0]})
     for i, s in enumerate(seqs):
         n = s["input_ids"].shape[0]
-        for k in ("input_ids", "targets", "loss_mask"):
+        for k in out:
             out[k][i, :n] = s[k]
     out["advantages"] = torch.stack([s["advantages"] for s in seqs])
     return out
+
+
+_FLOAT_KEYS = ("old_logprobs", "old_values", "returns")
 
 
 def _rank_bounds(n: int, world: int, how: str) -> list[int]:
@@ -189,11 +273,11 @@ def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[li
 
 
 def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str,
-                       norm_length: int) -> dict[str, torch.Tensor]:
+                       norm_length: int, objective: str = "policy") -> dict[str, torch.Tensor]:
     """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition."""
     ref = copy.deepcopy(model).double()
     batch = collate(seqs)
-    lt = per_token_loss(ref, batch)
+    lt = reference_per_token_loss(ref, batch, objective)
     mask = batch["loss_mask"].double()
     n_s = mask.sum(-1)
     nonempty = n_s > 0
@@ -260,13 +344,13 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-def naive_step(engine: Any, micros: list[dict], n_max: int) -> None:
+def naive_step(engine: Any, micros: list[dict], n_max: int, loss_fn: Any = per_token_loss) -> None:
     """The common wrong recipe: token-mean per micro-batch, averaged over the rank's micro-batches,
     then DeepSpeed's average over ranks (kept here to show the check can fail)."""
     fillers = n_max - len(micros)
     template = micros[0]
     for mb in micros + [dict(template, loss_mask=torch.zeros_like(template["loss_mask"]))] * fillers:
-        lt = per_token_loss(engine, mb)
+        lt = loss_fn(engine, mb)
         mask = mb["loss_mask"].to(lt.dtype)
         loss = (lt * mask).sum() / mask.sum().clamp(min=1) / len(micros)
         engine.backward(loss, scale_wrt_gas=False)
@@ -294,7 +378,7 @@ def _check_config(ds_config: dict, stage: int, mode: str, batch: int) -> dict:
 
 
 def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, seed: int,
-             arch: str = "tiny") -> dict[str, Any]:
+             arch: str = "tiny", objective: str = "policy") -> dict[str, Any]:
     import dataclasses
 
     import dsrl
@@ -307,7 +391,7 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     B = 6 * replicas
     seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty")), replicas, split)
     torch.manual_seed(seed)
-    model = build_model(arch)
+    model = build_model(arch, objective)
     reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
     cfg = _check_config(ds_config, stage, mode, B)
     fp16 = isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") in (True, "auto")
@@ -327,19 +411,22 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     dev = engine.device
     micros = [{k: v.to(dev) for k, v in mb.items()} for mb in micros]
     for mb in micros:
-        mb["advantages"] = mb["advantages"].to(dtype)
+        for key in ("advantages", *_FLOAT_KEYS):
+            mb[key] = mb[key].to(dtype)
     metrics: Any = {}
+    loss_fn = LOSSES[objective]
     if method == "naive":
-        naive_step(engine.engine, micros, engine.global_counts(micros).max_micro_batches)
+        naive_step(engine.engine, micros, engine.global_counts(micros).max_micro_batches, loss_fn)
     else:
         if method == "world_count":  # the double count dsrl must avoid: tensor peers counted as replicas
             engine.view = dataclasses.replace(engine.view, count_group=None)
-        metrics = engine.train_mini_batch(micros, per_token_loss)
+        metrics = engine.train_mini_batch(micros, loss_fn)
     after = full_parameters(engine.engine)
     update = {n: (before[n] - after[n]) / lr for n in before}
-    ref = reference_gradient(reference, seqs, mode, MAX_LEN)
+    ref = reference_gradient(reference, seqs, mode, MAX_LEN, objective)
     moe = any(is_expert(n) for n in ref)
     return {"stage": stage, "loss_agg": mode, "split": split, "method": method, "world_size": world,
+            "objective": objective,
             "replicas": replicas, "tensor_parallel_size": tensor_parallel_size(cfg), "model": arch,
             "expert_parallel_size": expert_parallel_size(cfg),
             "expert_parallel_layers": sum(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules()),
@@ -370,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="auto", choices=MODELS,
                         help="tiny (custom), llama, qwen2 or mixtral (tiny Hugging Face models); auto = tiny, or llama "
                              "under AutoTP, mixtral under AutoEP")
+    parser.add_argument("--objective", default="policy",
+                        help=f"comma list of {', '.join(OBJECTIVES)}: the per-token loss checked (policy = -A log pi; "
+                             "gspo = sequence-level clipped ratio; value = the critic's clipped value loss)")
     parser.add_argument("--tolerance", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write every case's result to this file (rank 0)")
@@ -392,19 +482,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"--method {','.join(unknown)}: not one of {', '.join(METHODS)}")
+    objectives = args.objective.split(",")
+    unknown = sorted(set(objectives) - set(OBJECTIVES))
+    if unknown:
+        parser.error(f"--objective {','.join(unknown)}: not one of {', '.join(OBJECTIVES)}")
     arch = model_for(raw, args.model)
-    for stage in stages:
-        for mode in modes:
-            for split in splits:
-                for method in methods:
-                    res = run_case(raw, stage, mode, split, method, args.seed, arch)
-                    results.append(res)
-                    if method == "dsrl":
-                        worst = max(worst, res["error"])
-                    if rank == 0:
-                        print(f"ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} "
-                              f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
-                              f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
+    for objective in objectives:
+        for stage in stages:
+            for mode in modes:
+                for split in splits:
+                    for method in methods:
+                        res = run_case(raw, stage, mode, split, method, args.seed, arch, objective)
+                        results.append(res)
+                        if method == "dsrl":
+                            worst = max(worst, res["error"])
+                        if rank == 0:
+                            print(f"{objective:<6} ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} "
+                                  f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
+                                  f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"tolerance": tol, "results": results}, f, indent=1)

@@ -5,12 +5,13 @@ plain ``open('w')``. dsrl instead commits a checkpoint in this order:
 
 1. rank 0 removes a stale, incomplete directory of the same tag; barrier;
 2. every rank: ``engine.save_checkpoint(dir, tag, client_state={"dsrl": ...}, save_latest=False)``
-   (it ends in a barrier), then writes its own ``dsrl_rank{r}.pt`` (per-rank state such as RNG
+   (it ends in a barrier), then each *companion* engine (a critic beside the policy) into
+   ``dir/tag/<name>/`` the same way, then writes its own ``dsrl_rank{r}.pt`` (per-rank state such as RNG
    streams and data cursors) via temp file + ``os.replace`` and fsyncs the files it wrote; barrier;
 3. rank 0 writes the ``COMPLETE`` marker, then ``latest`` via temp file + ``os.replace``, fsyncing
    both and the directory; barrier.
 
-So ``latest`` only ever names a tag whose every shard and marker exist: a crash (even kill -9) at
+So ``latest`` only ever names a tag whose every shard (companions' included) and marker exist: a crash (even kill -9) at
 any point leaves the previous complete checkpoint as the one ``load`` resumes from. On load, a
 ``latest`` that names an incomplete tag is ignored in favour of the newest complete one.
 """
@@ -108,12 +109,14 @@ def save(
     dsrl_state: dict[str, Any],
     rank_state: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    companions: dict[str, tuple[Any, dict[str, Any]]] | None = None,
 ) -> str:
     """Save a DeepSpeed engine checkpoint plus dsrl's state, committed atomically (module doc).
 
     ``dsrl_state`` (rank 0's copy is kept under ZeRO-0/1/2) goes into DeepSpeed's client state
-    under the single key ``"dsrl"``; ``rank_state`` is written per rank to ``dsrl_rank{r}.pt``.
-    Returns the checkpoint directory. Must be called on every rank.
+    under the single key ``"dsrl"``; ``rank_state`` is written per rank to ``dsrl_rank{r}.pt``;
+    ``companions`` maps a name to ``(engine, its dsrl state)``, saved under ``tag/<name>/`` in the same
+    commit. Returns the checkpoint directory. Must be called on every rank.
     """
     rank = _rank()
     path = os.path.join(save_dir, tag)
@@ -123,6 +126,8 @@ def save(
             shutil.rmtree(path)  # leftovers of a crashed save of the same tag
     _barrier()
     engine.save_checkpoint(save_dir, tag=tag, client_state={"dsrl": dsrl_state}, save_latest=False)
+    for name, (other, other_state) in (companions or {}).items():
+        other.save_checkpoint(path, tag=name, client_state={"dsrl": other_state}, save_latest=False)
     if rank_state is not None:
         atomic_torch_save(rank_state, os.path.join(path, f"dsrl_rank{rank}.pt"))
     for name in os.listdir(path):
@@ -148,10 +153,12 @@ def prune(save_dir: str, keep_last: int) -> None:
             shutil.rmtree(os.path.join(save_dir, tag), ignore_errors=True)
 
 
-def load(engine: Any, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict, dict | None]:
-    """Load the newest complete checkpoint (or ``tag``).
+def load(engine: Any, load_dir: str, tag: str | None = None, companions: dict[str, Any] | None = None,
+         **kwargs: Any) -> tuple[str | None, dict, dict | None]:
+    """Load the newest complete checkpoint (or ``tag``), and each companion engine from ``tag/<name>/``.
 
-    Returns ``(tag, dsrl_state, rank_state)``; ``(None, {}, None)`` when there is none.
+    Returns ``(tag, dsrl_state, rank_state)``, the companions' dsrl states under
+    ``dsrl_state["companions"][name]``; ``(None, {}, None)`` when there is none.
     """
     tag = tag or latest_complete_tag(load_dir)
     if tag is None:
@@ -161,6 +168,18 @@ def load(engine: Any, load_dir: str, tag: str | None = None, **kwargs: Any) -> t
     path, client_state = engine.load_checkpoint(load_dir, tag=tag, **kwargs)
     if path is None:
         raise FileNotFoundError(f"DeepSpeed could not load checkpoint {os.path.join(load_dir, tag)}")
+    state = dict((client_state or {}).get("dsrl", {}))
+    if companions:
+        state["companions"] = {}
+        for name, other in companions.items():
+            where = os.path.join(load_dir, tag)
+            if not os.path.isdir(os.path.join(where, name)):
+                raise FileNotFoundError(f"checkpoint {where} holds no {name!r} engine (was it written by a run without "
+                                        f"a {name}?); resume with the original algorithm or start a new output_dir")
+            other_path, other_client = other.load_checkpoint(where, tag=name, **kwargs)
+            if other_path is None:
+                raise FileNotFoundError(f"DeepSpeed could not load the {name!r} engine of checkpoint {where}")
+            state["companions"][name] = (other_client or {}).get("dsrl", {})
     rank_file = os.path.join(load_dir, tag, f"dsrl_rank{_rank()}.pt")
     rank_state = torch.load(rank_file, weights_only=False) if os.path.isfile(rank_file) else None
-    return tag, (client_state or {}).get("dsrl", {}), rank_state
+    return tag, state, rank_state

@@ -197,17 +197,25 @@ class RLEngine(StepCore):
         client_state: dict[str, Any] | None = None,
         rank_state: dict[str, Any] | None = None,
         keep_last: int | None = None,
+        companions: dict[str, RLEngine] | None = None,
     ) -> str:
-        """Atomic checkpoint (see dsrl.checkpoint): engine + schedule + ``client_state`` + per-rank state."""
+        """Atomic checkpoint (see dsrl.checkpoint): engine + schedule + ``client_state`` + per-rank state, and
+        each companion RLEngine (e.g. the critic: its engine, schedule and counters) in the same commit."""
         state = {"engine": self.state_dict(), "client": client_state or {}}
-        return ckpt.save(self.engine, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last)
+        others = {name: (rl.engine, {"engine": rl.state_dict()}) for name, rl in (companions or {}).items()}
+        return ckpt.save(self.engine, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last,
+                         companions=others)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str | None, dict, dict | None]:
-        """Resume from the newest complete checkpoint; returns (tag, client_state, rank_state)."""
-        tag, state, rank_state = ckpt.load(self.engine, load_dir, tag)
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        companions: dict[str, RLEngine] | None = None) -> tuple[str | None, dict, dict | None]:
+        """Resume from the newest complete checkpoint (companions too); returns (tag, client_state, rank_state)."""
+        engines = {name: rl.engine for name, rl in (companions or {}).items()}
+        tag, state, rank_state = ckpt.load(self.engine, load_dir, tag, companions=engines)
         if tag is None:
             return None, {}, None
         self.load_state_dict(state["engine"])
+        for name, rl in (companions or {}).items():
+            rl.load_state_dict(state["companions"][name]["engine"])
         return tag, state.get("client", {}), rank_state
 
 
