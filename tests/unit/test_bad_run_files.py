@@ -110,7 +110,7 @@ CASES = [
     ("scheduler type unknown", {"scheduler.type": "CosineLR"}, "scheduler.type"),
     ("scheduler params unknown key", {"scheduler.params.decay": 0.1}, "scheduler.params.decay"),
     ("warmup negative", {"scheduler.params.warmup_num_steps": -5}, "scheduler.params.warmup_num_steps"),
-    ("warmup >= horizon", {"scheduler.params.warmup_num_steps": 400}, "scheduler.params.warmup_num_steps"),
+    ("warmup >= horizon", {"scheduler.params.warmup_num_steps": 440}, "scheduler.params.warmup_num_steps"),
     ("horizon contradicts the plan", {"scheduler.params.total_num_steps": 100}, "scheduler.params.total_num_steps"),
     ("warmup_type unknown (DeepSpeed would fall back to log)", {"scheduler.params.warmup_type": "cubic"},
      "scheduler.params.warmup_type"),
@@ -145,7 +145,7 @@ CASES = [
     ("clipping string", {"gradient_clipping": "1.0"}, "gradient_clipping"),
     ("clipping typo", {"gradient_clippping": 0.5}, "gradient_clippping"),
     # ---------------------------------------------------------------- batch fields and the rest
-    ("train_batch_size contradicts the plan", {"train_batch_size": 64}, "train_batch_size"),
+    ("train_batch_size contradicts the plan", {"train_batch_size": 32}, "train_batch_size"),
     ("micro batch size in token-budget mode", {"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu"),
     ("accumulation contradicts the plan", {"gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
     ("managed accumulation", {"managed_gradient_accumulation": True}, "managed_gradient_accumulation"),

@@ -66,13 +66,14 @@ def test_critic_run_file_takes_the_critic_sections_and_its_own_horizon():
     cfg = load_config(raw)
     critic = critic_config(cfg)
     assert critic.ds_config["zero_optimization"] == {"stage": 3}
-    assert critic.ds_config["optimizer"]["params"]["lr"] == 1e-2 and cfg.ds_config["optimizer"]["params"]["lr"] == 3e-3
-    assert critic.ds_config["optimizer"]["params"]["betas"] == [0.9, 0.99]  # the rest is the policy's
+    assert critic.ds_config["optimizer"]["params"]["lr"] == 1e-2 and cfg.ds_config["optimizer"]["params"]["lr"] == 2e-3
+    assert critic.ds_config["optimizer"]["params"]["betas"] == [0.9, 0.95]  # the rest is the policy's
     assert critic.ds_config["scheduler"]["type"] == "WarmupLR" and "csv_monitor" not in critic.ds_config
     assert critic.dsrl.loss_agg == "token-mean"
     policy, value = BatchPlan.from_config(cfg, 2, 512), BatchPlan.from_config(critic, 2, 512)
-    assert policy.total_optimizer_steps == 10 + (200 - 5) * 2 and policy.critic_optimizer_steps == 400
-    assert value.total_optimizer_steps == 400  # every rollout, no supervised warm-up
+    rollouts = cfg.dsrl.run.rollouts
+    assert policy.total_optimizer_steps == 10 + (rollouts - 5) * 2 and policy.critic_optimizer_steps == 2 * rollouts
+    assert value.total_optimizer_steps == 2 * rollouts  # every rollout, no supervised warm-up
 
 
 def test_plot_writes_a_png(tmp_path):
