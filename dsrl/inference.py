@@ -27,7 +27,11 @@ def frozen_engine(module: torch.nn.Module, rl: Any, device: Any) -> Any:
     import deepspeed
 
     ds = rl.engine.config if isinstance(getattr(rl.engine, "config", None), dict) else {}
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    # Partitioned like the policy: its ZeRO-3 parameter settings (persistence threshold, prefetch, parameter
+    # offload), not its optimizer's.
+    params = {k: v for k, v in zero.items() if k.startswith("stage3_") or k == "offload_param"}
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {**params, "stage": 3},
                            "steps_per_print": 1 << 30}
     for key in ("bf16", "fp16"):
         if isinstance(ds.get(key), dict):
@@ -50,13 +54,14 @@ def equal_forwards(model: Any, inputs: Sequence[T], fn: Callable[[Any, T], Any],
                    device: Any = "cpu") -> tuple[list[Any], int]:
     """``([fn(model, x) for x in inputs], fillers)``: when ``model`` is sharded, this rank then runs
     ``fn(model, filler)`` (discarded) ``fillers`` times, up to the forward count of the rank with the most
-    inputs (one MAX all-reduce over all ranks)."""
-    outs = [fn(model, x) for x in inputs]
+    inputs. The counts are exchanged (one MAX all-reduce over all ranks) *before* the first forward: a
+    sharded forward is itself collective, so no rank may enter the count exchange while another forwards."""
     fillers = 0
     if is_sharded(model) and dist.is_initialized() and dist.get_world_size() > 1:
         n = torch.tensor([len(inputs)], dtype=torch.int64, device=device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         fillers = int(n.item()) - len(inputs)
-        for _ in range(fillers):
-            fn(model, filler)
+    outs = [fn(model, x) for x in inputs]
+    for _ in range(fillers):
+        fn(model, filler)
     return outs, fillers

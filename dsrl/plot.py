@@ -78,7 +78,9 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         if y:
             ax[name].plot(x, y)
         else:
-            ax[name].text(0.5, 0.5, f"no {key} in this run", ha="center", va="center", transform=ax[name].transAxes)
+            why = " (algorithm.kl_coef = 0)" if key == "kl" else ""
+            ax[name].text(0.5, 0.5, f"no {key} in this run{why}", ha="center", va="center",
+                          transform=ax[name].transAxes)
         ax[name].set_ylabel(label)
     for a in axes[:-1]:
         a.set_xlabel("rollout")

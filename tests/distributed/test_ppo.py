@@ -21,10 +21,12 @@ def _rows(out: Path, event: str) -> list[dict]:
 
 def _run_file(tmp_path: Path, stage: int = 2, critic_stage: int | None = None, warmup: int = 1) -> Path:
     raw = json.loads(PPO.read_text())
-    raw["zero_optimization"] = {"stage": stage}
+    # persistence threshold 0: ZeRO-3 partitions even the tiny model's parameters and gathers them in every forward
+    raw["zero_optimization"] = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
     raw["scheduler"]["params"]["warmup_num_steps"] = 2
     if critic_stage is not None:
-        raw["dsrl"]["critic"]["zero_optimization"] = {"stage": critic_stage}
+        raw["dsrl"]["critic"]["zero_optimization"] = {
+            "stage": critic_stage, **({"stage3_param_persistence_threshold": 0} if critic_stage == 3 else {})}
     raw["dsrl"]["critic"]["warmup_rollouts"] = warmup
     path = tmp_path / "run.json"
     path.write_text(json.dumps(raw))
@@ -125,16 +127,17 @@ def test_ppo_learns_under_zero3(tmp_path):
 
 def test_reward_model_zero3_uneven_prompt_counts(tmp_path):
     """A tiny learned reward model (built from a config, saved with save_pretrained) summed with the task's rule
-    reward, sharded under ZeRO-3. DAPO's dynamic sampling redraws different numbers of prompts per rank, so the
-    ranks score different numbers of sequences: filler forwards keep the sharded model's forwards equal, and the
-    rewards carry the model's scores."""
+    reward, sharded under ZeRO-3 (every parameter partitioned). DAPO's dynamic sampling redraws different numbers
+    of prompts per rank, so the ranks score different numbers of sequences: filler forwards keep the sharded
+    model's forwards equal (without them the job hangs)."""
     from dsrl.config import ModelConfig
     from dsrl.reward_model import save_tiny_reward_model
     from dsrl.tokenizer import load_tokenizer
 
     rm_dir = save_tiny_reward_model(str(tmp_path / "rm"), load_tokenizer(ModelConfig()))
     raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
-    raw["zero_optimization"] = {"stage": 3}
+    # persistence threshold 0: the tiny models' parameters are partitioned and gathered in every forward
+    raw["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
     raw["scheduler"]["params"]["warmup_num_steps"] = 2
     raw["dsrl"]["algorithm"] = {"name": "dapo", "max_sampling_rounds": 4}
     raw["dsrl"]["data"].update(reward_model=rm_dir, reward_model_weight=0.1)
