@@ -172,16 +172,22 @@ def clipped_policy_loss(
     and ``clip_high_frac`` (clipped at the high bound, A>0), and ``ratio``.
     ``advantages`` may be ``[b]`` (per sequence) or ``[b, t]``.
     """
-    if advantages.dim() == logprobs.dim() - 1:
+    return _clipped_surrogate(logprobs - old_logprobs, advantages, clip_low, clip_high)
+
+
+def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+                       clip_high: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``-min(r A, clip(r) A)`` per position from log-ratios ``[b, t]`` (clamped to +-20 before exp), with the
+    clip indicators; ``advantages`` ``[b]`` or ``[b, t]``."""
+    if advantages.dim() == log_ratio.dim() - 1:
         advantages = advantages.unsqueeze(-1)
-    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     with torch.no_grad():
-        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).to(logprobs.dtype)
-        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).to(logprobs.dtype)
+        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).to(log_ratio.dtype)
+        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).to(log_ratio.dtype)
     return loss, {"clip_low_frac": low, "clip_high_frac": high, "ratio": ratio.detach()}
 
 
@@ -268,19 +274,9 @@ def sequence_clipped_policy_loss(
     log-prob through the mean. Metrics are per token: each token carries its sequence's clip indicator.
     ``index`` (:func:`sequence_index`) separates the sequences of packed rows; None = one per row.
     """
-    if advantages.dim() == logprobs.dim() - 1:
-        advantages = advantages.unsqueeze(-1)
     if index is None:
         index = torch.zeros_like(logprobs, dtype=torch.long)
-    log_ratio = sequence_mean(logprobs - old_logprobs, mask, index).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    with torch.no_grad():
-        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).to(logprobs.dtype)
-        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).to(logprobs.dtype)
-    return loss, {"clip_low_frac": low, "clip_high_frac": high, "ratio": ratio.detach()}
+    return _clipped_surrogate(sequence_mean(logprobs - old_logprobs, mask, index), advantages, clip_low, clip_high)
 
 
 def clipped_value_loss(
