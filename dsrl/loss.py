@@ -272,7 +272,8 @@ def sequence_clipped_policy_loss(
     sequence carries l_i, so ``seq-mean-token-mean`` aggregation (w_t = 1/(S_M n_s)) gives exactly
     ``mean_i l_i`` over the mini-batch's non-empty sequences, and the gradient flows into every token's
     log-prob through the mean. Metrics are per token: each token carries its sequence's clip indicator.
-    ``index`` (:func:`sequence_index`) separates the sequences of packed rows; None = one per row.
+    ``index`` (:func:`sequence_index`) separates the sequences of packed rows; None = one per row. The
+    mean needs the whole sequence on this rank: not for sequence/context-parallel shards.
     """
     if index is None:
         index = torch.zeros_like(logprobs, dtype=torch.long)

@@ -216,14 +216,15 @@ class Trainer:
             mine = my_part(self.rl.view, per_rank)
             make = collate_packed if packed else collate
             micros = [make([rollout[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
-            t0 = time.perf_counter()
-            res = self.rl.train_mini_batch(micros, self.loss_fn) if policy_steps else None
-            critic_res = self.critic.train_mini_batch(micros) if self.critic is not None else None
-            if res is not None:
+            res = critic_res = None
+            if policy_steps:
+                t0 = time.perf_counter()
+                res = self.rl.train_mini_batch(micros, self.loss_fn)
                 res["step_s"] = time.perf_counter() - t0
                 res["padded_tokens"] = sum(int(m["input_ids"].numel()) for m in micros)
                 results.append(res)
-            if critic_res is not None:
+            if self.critic is not None:
+                critic_res = self.critic.train_mini_batch(micros)
                 self.critic_results.append(critic_res)
             self.calls += 1
             on_step(res, critic_res)
