@@ -25,7 +25,8 @@ setup(
     extras_require={
         "megatron": ["megatron-core==0.16.1"],
         "vllm": ["vllm>=0.10"],
-        "test": ["pytest>=8", "ruff", "tensorboard", "megatron-core==0.16.1"],
+        "plot": ["matplotlib"],
+        "test": ["pytest>=8", "ruff", "tensorboard", "megatron-core==0.16.1", "matplotlib"],
     },
     entry_points={"console_scripts": ["dsrl=dsrl.cli:main"]},
 )

@@ -16,6 +16,12 @@ unsharded, in float64. Under AutoTP the mini-batch is split over the D data-para
 every tensor peer of a replica gets the same micro-batches; the gathered update is compared per
 parameter (dense and expert parameters alike).
 
+``--objective`` picks the per-token loss whose normalization is checked: ``policy`` (``-A log pi``, the
+default), ``gspo`` (the sequence-level clipped ratio of :func:`dsrl.loss.sequence_clipped_policy_loss`)
+or ``value`` (the critic's clipped value loss, :func:`dsrl.loss.clipped_value_loss`, on a tiny
+``AutoModelForTokenClassification`` value model). Each reference is written from the definition,
+not with dsrl.loss.
+
 The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
 it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
 """
@@ -32,6 +38,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsrl.check_objectives import (
+    HIDDEN,
+    LOSSES,
+    MAX_LEN,
+    OBJECTIVES,
+    VOCAB,
+    per_token_loss,
+    reference_per_token_loss,
+    value_model,
+)
 from dsrl.loss import MODES
 
 # Powers of two: lr * g is exact. With 2**20, p_after - p_before is dominated by lr * g even for small
@@ -39,7 +55,6 @@ from dsrl.loss import MODES
 # (max 65504), so fp16 runs keep 2**10.
 LR = float(2**20)
 LR_FP16 = float(2**10)
-VOCAB, HIDDEN, MAX_LEN = 32, 16, 12
 MODELS = ("auto", "tiny", "llama", "qwen2", "mixtral")
 # --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
 # counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp)
@@ -83,8 +98,10 @@ def hf_model(arch: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager")
 
 
-def build_model(arch: str) -> torch.nn.Module:
+def build_model(arch: str, objective: str = "policy") -> torch.nn.Module:
     """The check's model, initialised from the current torch seed."""
+    if objective == "value":
+        return value_model(arch)
     return TinyCausalModel() if arch == "tiny" else hf_model(arch)
 
 
@@ -99,14 +116,6 @@ def model_for(ds_config: dict, requested: str) -> str:
     if expert_parallel_enabled(ds_config):
         return "mixtral"
     return "llama" if tensor_parallel_size(ds_config) > 1 else "tiny"
-
-
-def per_token_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A policy-gradient-shaped loss: -A_seq * log pi(next token), ``[b, t]``."""
-    logits = model(micro["input_ids"])
-    logits = getattr(logits, "logits", logits)  # a transformers model returns an output object
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
-    return -micro["advantages"].unsqueeze(-1).to(logp.dtype) * logp
 
 
 def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -124,6 +133,15 @@ def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, tor
             mask.zero_()
         adv = torch.randn((), generator=g) * 2
         seqs.append({"input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv})
+    # Per-token data of the gspo/value objectives, from a second stream (the first one's draws stay as they were).
+    g2 = torch.Generator().manual_seed(seed + 7919)
+    for s in seqs:
+        n = s["input_ids"].shape[0]
+        # log pi_old ~ the tiny model's log-probs (about -log VOCAB) with noise: sequence ratios on both sides
+        # of the clip range
+        s["old_logprobs"] = -torch.log(torch.tensor(float(VOCAB))) + 0.3 * torch.randn(n, generator=g2)
+        s["old_values"] = torch.randn(n, generator=g2) * 0.3
+        s["returns"] = 1.0 + 0.5 * torch.randn(n, generator=g2)  # returns near a reward of 1: no cancellation
     return seqs
 
 
@@ -131,12 +149,16 @@ def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence of this micro-batch."""
     t = max(s["input_ids"].shape[0] for s in seqs)
     out = {k: torch.zeros(len(seqs), t, dtype=torch.long) for k in ("input_ids", "targets", "loss_mask")}
+    out.update({k: torch.zeros(len(seqs), t) for k in _FLOAT_KEYS if k in seqs[0]})
     for i, s in enumerate(seqs):
         n = s["input_ids"].shape[0]
-        for k in ("input_ids", "targets", "loss_mask"):
+        for k in out:
             out[k][i, :n] = s[k]
     out["advantages"] = torch.stack([s["advantages"] for s in seqs])
     return out
+
+
+_FLOAT_KEYS = ("old_logprobs", "old_values", "returns")
 
 
 def _rank_bounds(n: int, world: int, how: str) -> list[int]:
@@ -189,11 +211,11 @@ def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[li
 
 
 def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str,
-                       norm_length: int) -> dict[str, torch.Tensor]:
+                       norm_length: int, objective: str = "policy") -> dict[str, torch.Tensor]:
     """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition."""
     ref = copy.deepcopy(model).double()
     batch = collate(seqs)
-    lt = per_token_loss(ref, batch)
+    lt = reference_per_token_loss(ref, batch, objective)
     mask = batch["loss_mask"].double()
     n_s = mask.sum(-1)
     nonempty = n_s > 0
@@ -260,13 +282,13 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-def naive_step(engine: Any, micros: list[dict], n_max: int) -> None:
+def naive_step(engine: Any, micros: list[dict], n_max: int, loss_fn: Any = per_token_loss) -> None:
     """The common wrong recipe: token-mean per micro-batch, averaged over the rank's micro-batches,
     then DeepSpeed's average over ranks (kept here to show the check can fail)."""
     fillers = n_max - len(micros)
     template = micros[0]
     for mb in micros + [dict(template, loss_mask=torch.zeros_like(template["loss_mask"]))] * fillers:
-        lt = per_token_loss(engine, mb)
+        lt = loss_fn(engine, mb)
         mask = mb["loss_mask"].to(lt.dtype)
         loss = (lt * mask).sum() / mask.sum().clamp(min=1) / len(micros)
         engine.backward(loss, scale_wrt_gas=False)
@@ -294,7 +316,7 @@ def _check_config(ds_config: dict, stage: int, mode: str, batch: int) -> dict:
 
 
 def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, seed: int,
-             arch: str = "tiny") -> dict[str, Any]:
+             arch: str = "tiny", objective: str = "policy") -> dict[str, Any]:
     import dataclasses
 
     import dsrl
@@ -307,7 +329,7 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     B = 6 * replicas
     seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty")), replicas, split)
     torch.manual_seed(seed)
-    model = build_model(arch)
+    model = build_model(arch, objective)
     reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
     cfg = _check_config(ds_config, stage, mode, B)
     fp16 = isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") in (True, "auto")
@@ -327,19 +349,22 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     dev = engine.device
     micros = [{k: v.to(dev) for k, v in mb.items()} for mb in micros]
     for mb in micros:
-        mb["advantages"] = mb["advantages"].to(dtype)
+        for key in ("advantages", *_FLOAT_KEYS):
+            mb[key] = mb[key].to(dtype)
     metrics: Any = {}
+    loss_fn = LOSSES[objective]
     if method == "naive":
-        naive_step(engine.engine, micros, engine.global_counts(micros).max_micro_batches)
+        naive_step(engine.engine, micros, engine.global_counts(micros).max_micro_batches, loss_fn)
     else:
         if method == "world_count":  # the double count dsrl must avoid: tensor peers counted as replicas
             engine.view = dataclasses.replace(engine.view, count_group=None)
-        metrics = engine.train_mini_batch(micros, per_token_loss)
+        metrics = engine.train_mini_batch(micros, loss_fn)
     after = full_parameters(engine.engine)
     update = {n: (before[n] - after[n]) / lr for n in before}
-    ref = reference_gradient(reference, seqs, mode, MAX_LEN)
+    ref = reference_gradient(reference, seqs, mode, MAX_LEN, objective)
     moe = any(is_expert(n) for n in ref)
     return {"stage": stage, "loss_agg": mode, "split": split, "method": method, "world_size": world,
+            "objective": objective,
             "replicas": replicas, "tensor_parallel_size": tensor_parallel_size(cfg), "model": arch,
             "expert_parallel_size": expert_parallel_size(cfg),
             "expert_parallel_layers": sum(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules()),
@@ -370,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="auto", choices=MODELS,
                         help="tiny (custom), llama, qwen2 or mixtral (tiny Hugging Face models); auto = tiny, or llama "
                              "under AutoTP, mixtral under AutoEP")
+    parser.add_argument("--objective", default="policy",
+                        help=f"comma list of {', '.join(OBJECTIVES)}: the per-token loss checked (policy = -A log pi; "
+                             "gspo = sequence-level clipped ratio; value = the critic's clipped value loss)")
     parser.add_argument("--tolerance", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write every case's result to this file (rank 0)")
@@ -392,19 +420,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"--method {','.join(unknown)}: not one of {', '.join(METHODS)}")
+    objectives = args.objective.split(",")
+    unknown = sorted(set(objectives) - set(OBJECTIVES))
+    if unknown:
+        parser.error(f"--objective {','.join(unknown)}: not one of {', '.join(OBJECTIVES)}")
     arch = model_for(raw, args.model)
-    for stage in stages:
-        for mode in modes:
-            for split in splits:
-                for method in methods:
-                    res = run_case(raw, stage, mode, split, method, args.seed, arch)
-                    results.append(res)
-                    if method == "dsrl":
-                        worst = max(worst, res["error"])
-                    if rank == 0:
-                        print(f"ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} "
-                              f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
-                              f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
+    for objective in objectives:
+        for stage in stages:
+            for mode in modes:
+                for split in splits:
+                    for method in methods:
+                        res = run_case(raw, stage, mode, split, method, args.seed, arch, objective)
+                        results.append(res)
+                        if method == "dsrl":
+                            worst = max(worst, res["error"])
+                        if rank == 0:
+                            print(f"{objective:<6} ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} "
+                                  f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
+                                  f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"tolerance": tol, "results": results}, f, indent=1)

@@ -311,18 +311,25 @@ def save(
     layout: dict[str, Any] | None = None,
     checksums: bool = True,
     before_commit: Callable[[str], None] | None = None,
+    companions: dict[str, tuple[Any, dict[str, Any], dict[str, Any]]] | None = None,
 ) -> str:
     """Save a DeepSpeed engine checkpoint plus dsrl's state, committed atomically (module doc).
 
     ``dsrl_state`` (rank 0's copy is kept under ZeRO-0/1/2) goes into DeepSpeed's client state
     under the single key ``"dsrl"``; ``rank_state`` is written per rank to ``dsrl_rank{r}.pt``;
-    ``layout`` (the engine's data-parallel size, ZeRO stage, ...) is recorded in the manifest.
+    ``layout`` (the engine's data-parallel size, ZeRO stage, ...) is recorded in the manifest;
+    ``companions`` maps a name to ``(engine, its dsrl state, its layout)`` for a second engine (the
+    critic beside the policy), written to ``tag/<name>/`` in the same commit.
     Returns the checkpoint directory. Must be called on every rank.
     """
     previous = begin(save_dir, tag)
     write_engine(engine, save_dir, tag, dsrl_state, previous)
+    layouts = {".": layout or {}}
+    for name, (other, other_state, other_layout) in (companions or {}).items():
+        write_engine(other, save_dir, tag, other_state, previous, subdir=name)
+        layouts[name] = other_layout
     write_rank_state(save_dir, tag, rank_state, previous)
-    return commit(save_dir, tag, previous, {".": layout or {}}, checksums=checksums, keep_last=keep_last,
+    return commit(save_dir, tag, previous, layouts, checksums=checksums, keep_last=keep_last,
                   before_commit=before_commit)
 
 

@@ -1,8 +1,9 @@
 """The ``dsrl`` command: ``dsrl plan`` prints the batch plan; ``dsrl export`` writes a checkpoint as a
-Hugging Face model directory; ``dsrl check`` explains the self-check.
+Hugging Face model directory; ``dsrl plot`` draws a run's curves; ``dsrl check`` explains the self-check.
 
 ``dsrl plan --ds_config FILE [--world_size N] [--dataset_size M] [--lengths FILE] [--json] [--dsrl.x.y V ...]``
 ``dsrl export RUN_OR_CHECKPOINT_DIR --out DIR [--dtype auto|float32|bfloat16|float16] [--overwrite]``
+``dsrl plot RUN_DIR [--out FILE.png]``   (needs matplotlib: reward, accuracy, entropy, KL, LR per step)
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     plan = BatchPlan.from_config(cfg, data_parallel_size(cfg.ds_config, world_size), dataset_size)
     on_gpu = accelerator_is_gpu() if on_gpu is None else on_gpu
     _, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu)
+    if cfg.dsrl.has_critic:
+        from dsrl.critic import check_critic
+
+        check_critic(cfg, world_size, dataset_size, on_gpu)
     lr = base_lr(cfg)
     first, last = lr_curve(spec, lr if lr is not None else 1.0, [1, plan.total_optimizer_steps])
     extra: dict[str, Any] = {
@@ -156,6 +161,17 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsrl plot", description="Write a run's curves (PNG) from its metrics.jsonl.")
+    parser.add_argument("run_dir", help="the run's dsrl.run.output_dir")
+    parser.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/curves.png)")
+    args = parser.parse_args(argv)
+    from dsrl.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -168,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(rest)
         if cmd == "export":
             return cmd_export(rest)
+        if cmd == "plot":
+            return cmd_plot(rest)
         if cmd == "check":
             from dsrl.check import main as check_main
 
@@ -178,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         print(f"dsrl: error: {e}", file=sys.stderr)
         return 1
-    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export' or 'check')", file=sys.stderr)
+    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export', 'plot' or 'check')", file=sys.stderr)
     return 2
 
 

@@ -23,6 +23,7 @@ from dsrl.config_errors import ConfigError, config_error
 from dsrl.config_models import (
     AlgorithmConfig,
     BatchConfig,
+    CriticConfig,
     DataConfig,
     DsrlConfig,
     ModelConfig,
@@ -30,15 +31,17 @@ from dsrl.config_models import (
     RunConfig,
     SchedulerConfig,
     Section,
+    SftConfig,
 )
 from dsrl.names import ALGORITHM_LOSS_AGG, ALGORITHM_NAMES, LOSS_AGG_MODES
 
 DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 __all__ = [
-    "ALGORITHM_LOSS_AGG", "ALGORITHM_NAMES", "DS_BATCH_KEYS", "LOSS_AGG_MODES", "AlgorithmConfig",
-    "BatchConfig", "Config", "ConfigError", "DataConfig", "DsrlConfig", "ModelConfig", "RolloutConfig", "RunConfig",
-    "SchedulerConfig", "Section", "apply_overrides", "load_config", "parse_override_args", "parse_override_value",
+    "ALGORITHM_LOSS_AGG", "ALGORITHM_NAMES", "DS_BATCH_KEYS", "LOSS_AGG_MODES", "AlgorithmConfig", "BatchConfig",
+    "Config", "ConfigError", "CriticConfig", "DataConfig", "DsrlConfig", "ModelConfig", "RolloutConfig", "RunConfig",
+    "SchedulerConfig", "Section", "SftConfig", "apply_overrides", "load_config", "parse_override_args",
+    "parse_override_value",
 ]
 
 

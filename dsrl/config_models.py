@@ -24,13 +24,16 @@ from pydantic_core import PydanticUndefined
 
 from dsrl.config_errors import ConfigError, config_error
 from dsrl.names import (
+    ALGORITHM_DEFAULTS,
     ALGORITHM_LOSS_AGG,
+    CRITIC_ALGORITHMS,
     DEFAULT_TASK,
     GROUP_RELATIVE_ALGORITHMS,
     PROMPT_FILE_FORMATS,
     TASK_NAMES,
     AlgorithmName,
     LossAgg,
+    RatioLevel,
     TaskName,
     TinyArch,
 )
@@ -205,7 +208,15 @@ class DataConfig(Section):
     prompt_key: str = setting("prompt", "column holding the prompt text")
     answer_key: str = setting("answer", "column passed to the reward function")
     reward_fn: str | None = setting(
-        None, "dotted path 'pkg.module:function' (or pkg.module.function) of the reward; required with path")
+        None, "dotted path 'pkg.module:function' (or pkg.module.function) of the rule reward; with path, it or "
+              "reward_model is required")
+    reward_model: str | None = setting(
+        None, "local directory of a Hugging Face AutoModelForSequenceClassification (num_labels 1) sharing the "
+              "policy's tokenizer: each sample's score is read at its last valid token; ZeRO-3 shards it like the "
+              "policy (docs/ppo.md)")
+    reward_model_weight: float = setting(1.0, "reward = reward_model_weight * score + rule_reward_weight * rule reward")
+    rule_reward_weight: float = setting(
+        1.0, "weight of the rule reward (reward_fn or the task's); 0 with a task = the reward model alone")
     size: int = setting(512, "number of prompts a built-in task generates", "prompts", gt=0)
     max_prompt_tokens: int = setting(64, "prompts are truncated to this many tokens", "tokens", gt=0)
     chat_template: bool = setting(False, "apply the tokenizer's chat template to prompts")
@@ -237,18 +248,34 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        """Prompts come from exactly one source, and a file needs `reward_fn` (it has no built-in reward)."""
+        """Prompts come from exactly one source, and a file needs `reward_fn` or `reward_model` (it has no
+        built-in reward)."""
         if self.task and self.path:
             raise ConfigError(
                 f"{self.PATH}.task = {self.task!r} and {self.PATH}.path = {self.path!r} are both set; prompts come "
                 f"from exactly one source. Fix: set {self.PATH}.task to null to read the file, or remove "
                 f"{self.PATH}.path."
             )
-        if self.path and not self.reward_fn:
+        if self.path and not self.reward_fn and not self.reward_model:
             raise ConfigError(
-                f"{self.PATH}.reward_fn is unset but prompts come from {self.PATH}.path = {self.path!r}, which has "
-                f"no built-in reward. Fix: set {self.PATH}.reward_fn to 'package.module:function' taking "
-                "(prompts, completions, answers) and returning one float per completion."
+                f"{self.PATH}.reward_fn and {self.PATH}.reward_model are unset but prompts come from {self.PATH}.path "
+                f"= {self.path!r}, which has no built-in reward. Fix: set {self.PATH}.reward_fn to "
+                "'package.module:function' taking (prompts, completions, answers) and returning one float per "
+                f"completion, or {self.PATH}.reward_model to a local sequence-classification model directory."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _some_reward(self) -> DataConfig:
+        """The reward has a non-zero part: `rule_reward_weight` and `reward_model_weight` are not both 0 (or the
+        rule weight 0 without a `reward_model`)."""
+        rule = self.rule_reward_weight != 0 and (self.task is not None or self.reward_fn is not None)
+        model = self.reward_model is not None and self.reward_model_weight != 0
+        if not (rule or model):
+            raise ConfigError(
+                f"{self.PATH}: every reward would be 0 (rule_reward_weight = {self.rule_reward_weight}, reward_model = "
+                f"{self.reward_model!r}, reward_model_weight = {self.reward_model_weight}). Fix: give the rule reward "
+                "or a reward model a non-zero weight."
             )
         return self
 
@@ -277,11 +304,19 @@ class AlgorithmConfig(Section):
     PATH: ClassVar[str] = "dsrl.algorithm"
 
     name: AlgorithmName = setting("grpo", "algorithm (defaults per algorithm: see the table below)")
-    clip_low: float = setting(0.2, "PPO clip: ratio >= 1 - clip_low", ge=0, lt=10)
+    clip_low: float | None = setting(
+        None, "PPO clip: ratio >= 1 - clip_low; unset = the algorithm's (0.2; GSPO 3e-4)", ge=0, lt=10)
     clip_high: float | None = setting(
-        None, "PPO clip: ratio <= 1 + clip_high; unset = clip_low (DAPO default 0.28)", ge=0, lt=10)
+        None, "PPO clip: ratio <= 1 + clip_high; unset = the algorithm's, else clip_low (DAPO 0.28, GSPO 4e-4)",
+        ge=0, lt=10)
+    ratio_level: RatioLevel | None = setting(
+        None, "importance ratio: token (pi/pi_old per token) or sequence (GSPO: exp of the mean token log-ratio of "
+              "the sequence, clipped per sequence); unset = the algorithm's")
+    gamma: float = setting(1.0, "ppo: GAE discount per token", ge=0, le=1)
+    lam: float = setting(0.95, "ppo: GAE lambda", ge=0, le=1)
     normalize_std: bool | None = setting(
-        None, "divide group advantages by the group std; unset = algorithm default")
+        None, "divide group advantages by the group std (ppo: whiten GAE advantages over the rollout's valid "
+              "tokens); unset = algorithm default")
     kl_coef: float = setting(0.0, "KL penalty against the frozen reference model", ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = setting("k3", "KL estimator")
     kl_in: Literal["loss", "reward"] = setting("loss", "KL as a loss term or a reward penalty")
@@ -294,6 +329,43 @@ class AlgorithmConfig(Section):
     overlong_buffer: int = setting(
         0, "soft overlong punishment: length window before max_new_tokens", "tokens", ge=0)
     overlong_penalty: float = setting(1.0, "soft overlong punishment at the limit")
+
+
+class CriticConfig(Section):
+    """The value model of algorithms with a critic (ppo): a second engine with its own optimizer, LR schedule
+    and ZeRO settings; unset keys take the policy's."""
+
+    PATH: ClassVar[str] = "dsrl.critic"
+
+    path: str | None = setting(
+        None, "local Hugging Face directory: a causal LM (its backbone gets a new scalar head) or an "
+              "AutoModelForTokenClassification with num_labels 1; unset = the policy's model (model.path, or the "
+              "tiny model built the same way)")
+    zero_optimization: dict[str, Any] | None = setting(
+        None, "ds_config zero_optimization section of the critic's engine; unset = the policy's")
+    optimizer: dict[str, Any] | None = setting(
+        None, "ds_config optimizer section of the critic; unset = the policy's (with lr below)")
+    lr: float | None = setting(None, "the critic optimizer's lr; unset = its optimizer section's", gt=0)
+    scheduler: dict[str, Any] | None = setting(
+        None, "ds_config scheduler section of the critic (horizon: the critic's optimizer steps); unset = the "
+              "policy's")
+    gradient_clipping: float | None = setting(None, "gradient clipping of the critic; unset = the policy's", ge=0)
+    value_clip: float | None = setting(
+        0.2, "clipped value loss: the new value may move at most this far from the rollout's value; null = "
+             "unclipped squared error", gt=0)
+    warmup_rollouts: int = setting(
+        0, "critic-only rollouts at the start of the run (part of the run's rollouts): the policy does not update",
+        "rollouts", ge=0)
+
+
+class SftConfig(Section):
+    """An optional supervised warm-up on the prompts' reference answers before the first rollout (dsrl/sft.py)."""
+
+    PATH: ClassVar[str] = "dsrl.sft"
+
+    steps: int = setting(
+        0, "optimizer steps of next-token loss on (prompt, answer + eos) before rollout 1, batch.mini_batch_size "
+           "sequences each; they count towards the plan's total optimizer steps (0 = off)", "optimizer steps", ge=0)
 
 
 class SchedulerConfig(Section):
@@ -330,6 +402,8 @@ class DsrlConfig(Section):
     rollout: RolloutConfig = setting(RolloutConfig, RolloutConfig.__doc__)
     algorithm: AlgorithmConfig = setting(AlgorithmConfig, AlgorithmConfig.__doc__)
     scheduler: SchedulerConfig = setting(SchedulerConfig, SchedulerConfig.__doc__)
+    critic: CriticConfig = setting(CriticConfig, CriticConfig.__doc__)
+    sft: SftConfig = setting(SftConfig, SftConfig.__doc__)
 
     @model_validator(mode="before")
     @classmethod
@@ -350,6 +424,17 @@ class DsrlConfig(Section):
                 "sample's advantage relative to the other samples of its prompt, so a group of one sample always "
                 "has advantage 0 and training never gets a gradient. Fix: set dsrl.batch.samples_per_prompt >= 2 "
                 "(GRPO-style runs use 4-16)."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _critic_only_with_a_critic_algorithm(self) -> DsrlConfig:
+        """A `critic` key is set only with an algorithm that trains a critic (ppo)."""
+        if self.critic.model_fields_set and self.algorithm.name not in CRITIC_ALGORITHMS:
+            keys = ", ".join(sorted(self.critic.model_fields_set))
+            raise ConfigError(
+                f"dsrl.critic ({keys}) is set but dsrl.algorithm.name = {self.algorithm.name!r} trains no critic. "
+                f"Fix: set dsrl.algorithm.name to one of {', '.join(CRITIC_ALGORITHMS)}, or remove dsrl.critic."
             )
         return self
 
@@ -397,10 +482,20 @@ class DsrlConfig(Section):
         return self.batch.loss_agg or ALGORITHM_LOSS_AGG[self.algorithm.name]
 
     @property
+    def has_critic(self) -> bool:
+        """Whether the algorithm trains a value model beside the policy (dsrl.critic)."""
+        return self.algorithm.name in CRITIC_ALGORITHMS
+
+    @property
+    def ratio_level(self) -> str:
+        """The resolved importance-ratio level: the configured one, else the algorithm's default."""
+        return self.algorithm.ratio_level or ALGORITHM_DEFAULTS[self.algorithm.name]["ratio_level"]
+
+    @property
     def loss_norm_length(self) -> int:
         """L_norm for seq-mean-token-sum-norm (a constant, never the batch's padded length)."""
         return self.batch.loss_agg_norm_length or self.rollout.max_new_tokens
 
 
-__all__ = ["AlgorithmConfig", "BatchConfig", "DataConfig", "DsrlConfig", "ModelConfig", "RolloutConfig", "RunConfig",
-           "SchedulerConfig", "Section", "setting"]
+__all__ = ["AlgorithmConfig", "BatchConfig", "CriticConfig", "DataConfig", "DsrlConfig", "ModelConfig", "RolloutConfig",
+           "RunConfig", "SchedulerConfig", "Section", "SftConfig", "setting"]

@@ -35,7 +35,7 @@ from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.fused import apex_adam_for
 from dsrl.parallel import ParallelView, deepspeed_view
 from dsrl.plan import BatchPlan
-from dsrl.run_errors import RunError
+from dsrl.run_errors import CheckpointError, RunError
 from dsrl.schedule import PlannedScheduler
 from dsrl.step_core import Log, MicroBatch, MiniBatchCounts, StepCore, StepInputs, StepResult, Update
 
@@ -227,26 +227,43 @@ class RLEngine(StepCore):
         keep_last: int | None = None,
         checksums: bool = True,
         before_commit: Callable[[str], None] | None = None,
+        companions: dict[str, RLEngine] | None = None,
     ) -> str:
         """Atomic checkpoint (see dsrl.checkpoint): engine + schedule + ``client_state`` + per-rank state,
-        with a manifest that records the files and this engine's layout (for elastic resume)."""
+        with a manifest that records the files and each engine's layout (for elastic resume); each
+        companion RLEngine (the critic: its engine, schedule and counters) goes to ``tag/<name>/`` in the
+        same commit."""
         from dsrl.elastic import engine_layout
 
         state = {"engine": self.state_dict(), "client": client_state or {}}
+        others = {name: (rl.engine, {"engine": rl.state_dict()}, engine_layout(rl).to_dict())
+                  for name, rl in (companions or {}).items()}
         return ckpt.save(self.engine, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last,
-                         layout=engine_layout(self).to_dict(), checksums=checksums, before_commit=before_commit)
+                         layout=engine_layout(self).to_dict(), checksums=checksums, before_commit=before_commit,
+                         companions=others)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str | None, dict, dict | None]:
-        """Resume from the newest complete checkpoint (or ``tag``), on this or another number of
-        data-parallel ranks (:mod:`dsrl.elastic`); returns (tag, client_state, rank_state)."""
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        companions: dict[str, RLEngine] | None = None) -> tuple[str | None, dict, dict | None]:
+        """Resume from the newest complete checkpoint (or ``tag``), companions from ``tag/<name>/``, on this
+        or another number of data-parallel ranks (:mod:`dsrl.elastic`); returns (tag, client_state, rank_state)."""
         from dsrl.elastic import load, saved_layout
 
         tag = tag or ckpt.latest_complete_tag(load_dir)
         if tag is None:
             return None, {}, None
-        state, rank_state, notice = load(self, load_dir, tag, saved_layout(os.path.join(load_dir, tag)))
+        where = os.path.join(load_dir, tag)
+        for name in companions or {}:
+            if not os.path.isdir(os.path.join(where, name)):
+                raise CheckpointError(f"checkpoint {where} holds no {name!r} engine (written by a run without a "
+                                      f"{name}?). Fix: resume with the original algorithm, or start a new "
+                                      "dsrl.run.output_dir.")
+        state, rank_state, notice = load(self, load_dir, tag, saved_layout(where))
         self.last_resume_notice = notice
         self.load_state_dict(state["engine"])
+        for name, rl in (companions or {}).items():
+            other, _, _ = load(rl, load_dir, tag, saved_layout(os.path.join(where, name), root=where, subdir=name),
+                               subdir=name)
+            rl.load_state_dict(other["engine"])
         return tag, state.get("client", {}), rank_state
 
 

@@ -14,9 +14,14 @@ Invariants kept by :class:`ExperienceMaker`:
   token to any count); dynamic sampling (DAPO) refills zero-variance groups with one MAX all-reduce
   per round, and every rank runs the same number of rounds (under ZeRO-3 each round is a collective
   parameter gather);
-- old (and reference) log-probs are computed once per rollout, before any update, with the same
-  number of forwards on every rank; with ``kl_in = "reward"`` the summed k1 KL is subtracted from
-  the reward there; advantages come last, from the penalised rewards.
+- a learned reward model (``data.reward_model``) scores every rank's completions before the tensor
+  peers adopt their source's samples; under ZeRO-3 every rank runs the same number of its forwards
+  (:mod:`dsrl.reward_model`), whatever number of prompts it drew;
+- old (and reference) log-probs -- and with a critic the old values -- are computed once per rollout,
+  before any update, with the same number of forwards on every rank; with ``kl_in = "reward"`` the
+  summed k1 KL is subtracted from the reward there (with a critic: ``-kl_coef * k1`` on every token
+  of the GAE rewards instead); advantages come last: group advantages from the penalised rewards, or
+  GAE per token from the critic's values, whitened over the whole rollout's valid tokens.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class RolloutStats:
     groups_generated: float = 0.0
     groups_zero_variance: float = 0.0
     reward_timeouts: float = 0.0  # samples masked because their reward call ran past data.reward_timeout_s
+    reward_model_fillers: float = 0.0  # reward-model forwards run only to match other ranks' counts (ZeRO-3)
     rollout_s: float = 0.0
     train_s: float = 0.0
 
@@ -129,18 +135,29 @@ class ExperienceMaker:
             # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
             completions = t.backend.generate(prompt_ids, t.plan.samples_per_prompt, seed=seed)
         with watch.phase("reward"):
+            scores = None
+            if t.reward_model is not None:  # on every rank: a sharded reward model's forwards are collective
+                before = t.reward_model.filler_forwards
+                scores = t.reward_model.score([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
+                self._rm_fillers += t.reward_model.filler_forwards - before
             # Tensor peers adopt their source's scored samples (dsrl.replica_data rule 2).
-            return share_with_tensor_peers(t.rl.view, lambda: self._score(indices, records, completions))
+            return share_with_tensor_peers(t.rl.view, lambda: self._score(indices, records, completions, scores))
 
-    def _score(self, indices: list[int], records: list[dict], completions: list) -> list[list[Sample]]:
-        """Rewards (and accuracies) of one round's completions, as one group of samples per prompt."""
-        t = self.t
+    def _score(self, indices: list[int], records: list[dict], completions: list,
+               model_scores: list[float] | None = None) -> list[list[Sample]]:
+        """Rewards (and accuracies) of one round's completions, as one group of samples per prompt:
+        ``rule_reward_weight * rule reward + reward_model_weight * reward-model score`` (each when present)."""
+        t, data = self.t, self.d.data
         if not completions:
             return []
         texts = t.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
         prompts_rep = [records[c.prompt_index]["prompt"] for c in completions]
         answers_rep = [records[c.prompt_index].get("answer") for c in completions]
-        rewards = [float(r) for r in t.reward_fn(prompts_rep, texts, answers_rep)]
+        rewards = [0.0] * len(completions)
+        if t.reward_fn is not None:
+            rewards = [data.rule_reward_weight * float(r) for r in t.reward_fn(prompts_rep, texts, answers_rep)]
+        if model_scores is not None:
+            rewards = [r + data.reward_model_weight * m for r, m in zip(rewards, model_scores)]
         accs = t.accuracy_fn(prompts_rep, texts, answers_rep) if t.accuracy_fn else [None] * len(texts)
         groups: list[list[Sample]] = [[] for _ in indices]
         for c, r, acc in zip(completions, rewards, accs):
@@ -170,6 +187,7 @@ class ExperienceMaker:
         per = len(mine)
         rounds, kept, spare = 0, [], []
         stats = RolloutStats()
+        self._rm_fillers = 0
         dynamic = t.algo.dynamic_sampling
         take = mine
         while True:
@@ -192,6 +210,7 @@ class ExperienceMaker:
                 break
             take = self._draw()[:max(need, 0)]
         kept = (kept + spare)[:per]  # after the last round, zero-variance groups fill any gap
+        stats.reward_model_fillers = float(self._rm_fillers)
         return [s for g in kept for s in g], stats, rounds
 
     # -- log-probs and advantages -----------------------------------------------------------------
@@ -215,6 +234,10 @@ class ExperienceMaker:
         for g, lp in zip(groups, outs):
             for s, row, sl in zip(g, lp, completion_positions(g)):
                 s.old_logprobs = row[sl].tolist()
+        if t.critic is not None:
+            for g, values in zip(groups, t.critic.values(micros)):
+                for s, row, sl in zip(g, values, completion_positions(g)):
+                    s.values = row[sl].tolist()
         if t.ref_model is None:
             return
         with torch.no_grad():
@@ -222,7 +245,7 @@ class ExperienceMaker:
                 lp = fn(t.ref_model, micro)
                 for s, row, sl in zip(g, lp, completion_positions(g)):
                     s.ref_logprobs = row[sl].tolist()
-        if self.d.algorithm.kl_in == "reward":
+        if self.d.algorithm.kl_in == "reward" and t.critic is None:  # with a critic: per token, in gae_advantages
             coef = self.d.algorithm.kl_coef
             for s in samples:
                 kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1").sum().item()
@@ -235,6 +258,37 @@ class ExperienceMaker:
         for s, v in zip(samples, adv.tolist()):
             s.advantage = v if (s.active and math.isfinite(v)) else 0.0
 
+    def gae_advantages(self, samples: list[Sample]) -> None:
+        """Per-token advantages and returns by GAE from the critic's rollout values (:mod:`dsrl.algos.gae`),
+        whitened over the valid tokens of the whole rollout when ``normalize_std`` (one all-reduce; tensor
+        peers count once). Masked samples get zero advantages."""
+        a, t = self.d.algorithm, self.t
+        lengths = [len(s.values) if s.active else 0 for s in samples]
+        penalties = None
+        if t.ref_model is not None and a.kl_in == "reward":
+            penalties = [(-a.kl_coef * kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs),
+                                                   "k1")).tolist() for s in samples]
+        rewards = algos.token_rewards([s.reward if s.active else 0.0 for s in samples], lengths, penalties)
+        width = rewards.shape[1]
+        values = torch.zeros_like(rewards)
+        for i, s in enumerate(samples):
+            values[i, :lengths[i]] = torch.tensor(s.values[:lengths[i]], dtype=torch.float64)
+        mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        adv, returns = algos.gae(rewards, values, mask, a.gamma, a.lam)
+        if t.algo.normalize_std:
+            counted = float(is_source(t.rl.view))
+            picked = adv[mask]
+            n, total, sq = all_reduce_floats([counted * picked.numel(), counted * float(picked.sum()),
+                                              counted * float(picked.square().sum())], device=t.device)
+            mean = total / n if n else 0.0
+            std = math.sqrt(max(sq / n - mean * mean, 0.0)) if n else 1.0
+            adv = algos.whiten(adv, mask, mean, std)
+        for i, s in enumerate(samples):
+            n = len(s.values or [])
+            s.token_advantages = adv[i, :n].tolist() if lengths[i] else [0.0] * n
+            s.returns = returns[i, :n].tolist() if lengths[i] else [0.0] * n
+            s.advantage = 0.0
+
     def make(self, rollout_index: int) -> tuple[list[Sample], RolloutStats, int]:
         """The whole pipeline for one rollout: samples ready to train on, stats, sampling rounds."""
         t0 = time.perf_counter()
@@ -243,7 +297,10 @@ class ExperienceMaker:
         self.t.backend.sync_weights()
         samples, stats, rounds = self.collect(rollout_index)
         self.score_logprobs(samples)
-        self.advantages(samples)
+        if self.t.critic is not None:
+            self.gae_advantages(samples)
+        else:
+            self.advantages(samples)
         if is_source(self.t.rl.view):
             stats.add_samples(samples)
         stats.rollout_s = time.perf_counter() - t0

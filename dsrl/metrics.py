@@ -20,6 +20,7 @@ ROLLOUT_LINE_KEYS = (
     ("accuracy", "acc {:.3f}"),
     ("response_len", "len {:.1f}"),
     ("loss", "loss {:+.4f}"),
+    ("value_loss", "vloss {:.4f}"),
     ("kl", "kl {:.4f}"),
     ("clip_frac", "clip {:.3f}"),
     ("grad_norm", "gnorm {:.3f}"),
@@ -134,6 +135,7 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "truncated_frac": stats.truncated_samples / samples if samples else 0.0,
         "zero_variance_groups": stats.groups_zero_variance / stats.groups_generated if stats.groups_generated else 0.0,
         "sampling_rounds": float(sampling_rounds),
+        "reward_model_fillers": stats.reward_model_fillers,
         "loss": sum(r["loss"] for r in results) / len(results) if results else float("nan"),
         "kl": _token_mean(results, "kl"),
         "entropy": _token_mean(results, "entropy"),
@@ -147,4 +149,24 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "tokens_per_s": tokens / local_train_s if local_train_s > 0 else 0.0,
         "rollout_s": stats.rollout_s / world,
         "train_s": stats.train_s / world,
+    }
+
+
+# The critic's per-step values written to each "step" row as critic_<name> (dsrl.critic).
+CRITIC_STEP_METRICS = ("loss", "grad_norm", "lr", "vf_clip_frac", "value", "return", "step_applied")
+
+
+def critic_record(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The critic's part of a ``rollout`` row from its optimizer steps' results (empty without steps)."""
+    if not results:
+        return {}
+    applied = [r for r in results if r["step_applied"]]
+    return {
+        "value_loss": sum(r["loss"] for r in results) / len(results),
+        "vf_clip_frac": _token_mean(results, "vf_clip_frac"),
+        "value_mean": _token_mean(results, "value"),
+        "return_mean": _token_mean(results, "return"),
+        "critic_grad_norm": sum(r["grad_norm"] for r in applied) / len(applied) if applied else float("nan"),
+        "critic_lr": results[-1]["lr"],
+        "critic_optimizer_step": results[-1]["optimizer_step"],
     }

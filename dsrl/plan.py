@@ -5,7 +5,8 @@ progress bar use comes from here, so they agree by construction:
 
     R                      = P * G                       (sequences per rollout = episodes per rollout)
     optimizer steps/rollout = E * R / B
-    total optimizer steps  = rollouts * E * R / B        (scheduler horizon, progress-bar total)
+    total optimizer steps  = sft + (rollouts - K) * E*R/B (the policy's scheduler horizon, progress-bar total)
+    critic optimizer steps = rollouts * E * R / B        (with a critic: its scheduler horizon)
     episodes               = rollouts * R
     prompt epochs          = rollouts * P / dataset size
 
@@ -13,6 +14,10 @@ With ``run.epochs`` the number of rollouts follows ``run.last_rollout``: ``drop`
 floor(epochs * N / P) rollouts (at most P - 1 prompts stay unused), ``wrap`` takes the ceiling
 (the last rollout draws its missing prompts from the next reshuffled pass). The prompt sampler
 walks an endless stream of reshuffled passes either way, so a rollout may straddle a pass boundary.
+
+K = ``critic.warmup_rollouts`` (algorithms with a critic, else 0): the first K rollouts train only
+the critic, so the policy takes no step in them; K < rollouts. sft = ``sft.steps``: supervised
+warm-up steps of the policy before rollout 1 (:mod:`dsrl.sft`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class BatchPlan:
     episodes: int
     prompt_epochs: float | None
     prompts_per_rank: int
+    critic_warmup_rollouts: int = 0  # K: critic-only rollouts at the start (part of `rollouts`)
+    critic_optimizer_steps: int = 0  # the critic's scheduler horizon: rollouts * E*R/B (0 = no critic)
+    sft_steps: int = 0  # supervised warm-up steps of the policy before rollout 1
 
     @property
     def token_budget_mode(self) -> bool:
@@ -126,6 +134,12 @@ class BatchPlan:
                 )
             prompt_epochs = rollouts * P / dataset_size
         steps_per_rollout = E * R // B
+        warmup = d.critic.warmup_rollouts if d.has_critic else 0
+        if warmup >= rollouts:
+            raise ConfigError(
+                f"dsrl.critic.warmup_rollouts = {warmup} is not smaller than the run's {rollouts} rollouts "
+                f"({rule}): the policy would never train. Fix: lower warmup_rollouts or raise the rollouts."
+            )
         return cls(
             prompts_per_rollout=P,
             samples_per_prompt=G,
@@ -144,10 +158,13 @@ class BatchPlan:
             dataset_size=dataset_size,
             rollouts=rollouts,
             rollout_rule=rule,
-            total_optimizer_steps=rollouts * steps_per_rollout,
+            total_optimizer_steps=d.sft.steps + (rollouts - warmup) * steps_per_rollout,
             episodes=rollouts * R,
             prompt_epochs=prompt_epochs,
             prompts_per_rank=P // D,
+            critic_warmup_rollouts=warmup,
+            critic_optimizer_steps=rollouts * steps_per_rollout if d.has_critic else 0,
+            sft_steps=d.sft.steps,
         )
 
     def deepspeed_batch_fields(self) -> dict[str, Any]:
@@ -222,7 +239,11 @@ class BatchPlan:
             ("micro-batches", micro),
             ("loss aggregation", self.loss_agg),
             ("rollouts", f"{self.rollouts} ({self.rollout_rule})"),
-            ("total optimizer steps", str(self.total_optimizer_steps)),
+            ("total optimizer steps", str(self.total_optimizer_steps)
+             + (f" (including {self.sft_steps} supervised warm-up steps)" if self.sft_steps else "")
+             + (f" (policy; after {self.critic_warmup_rollouts} critic-only rollouts)" if self.critic_warmup_rollouts
+                else "")),
+            *([("critic optimizer steps", str(self.critic_optimizer_steps))] if self.critic_optimizer_steps else []),
             ("episodes (sequences generated)", str(self.episodes)),
             ("prompt epochs", pe),
         ]

@@ -1,4 +1,4 @@
-"""The RL loop: rollout -> rewards -> advantages -> mini-batches -> RLEngine.
+"""The RL loop: rollout -> rewards -> advantages -> mini-batches -> RLEngine (and the critic's RLEngine).
 
 One rollout, on every rank:
 
@@ -13,7 +13,10 @@ One rollout, on every rank:
    advantage, from the replica that generated it to the ranks that train on it, once per rollout,
    so a rank receives about R/D samples, not R (:mod:`dsrl.replica_data`: tensor peers get
    identical micro-batches); every mini-batch is one ``RLEngine.train_mini_batch`` call, i.e. one
-   optimizer step.
+   optimizer step;
+3. with a critic (ppo, :mod:`dsrl.critic`) the critic takes one exact step on the same micro-batches
+   right after the policy's; in the first ``critic.warmup_rollouts`` rollouts only the critic steps.
+   Both engines are saved in one checkpoint commit and resume together.
 
 The progress bar's total is the plan's total optimizer steps and every loop bound comes from the
 same plan, so the bar ends exactly at the last step. Progress messages go through ``logging``
@@ -42,8 +45,16 @@ from dsrl.ds_validation import validated_deepspeed_config
 from dsrl.engine import RLEngine, ensure_distributed, initialize, on_gpu
 from dsrl.experience import ExperienceMaker, derived_seed, forward_logits
 from dsrl.export import export_checkpoint, write_hf_meta
-from dsrl.loss import clipped_policy_loss, kl_estimate, token_entropy, token_logprobs
-from dsrl.metrics import MetricsWriter, rollout_record
+from dsrl.inference import frozen_engine
+from dsrl.loss import (
+    clipped_policy_loss,
+    kl_estimate,
+    sequence_clipped_policy_loss,
+    sequence_index,
+    token_entropy,
+    token_logprobs,
+)
+from dsrl.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
 from dsrl.partition import mini_batches, partition_mini_batch
 from dsrl.plan import BatchPlan
 from dsrl.replica_data import RolloutIndex, my_part
@@ -85,7 +96,8 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(d.model)
         self.prompts = load_prompts(d.data, seed=d.run.seed)
-        self.reward_fn = load_reward_fn(d.data)
+        rule = d.data.rule_reward_weight != 0 and (d.data.task is not None or d.data.reward_fn is not None)
+        self.reward_fn = load_reward_fn(d.data) if rule else None
         self.accuracy_fn = load_accuracy_fn(d.data)
         self.encode = encode_prompts
         tok = self.tokenizer
@@ -94,6 +106,10 @@ class Trainer:
         # checks it again, cheaply, for callers that use it directly).
         plan = BatchPlan.from_config(self.cfg, data_parallel_size(self.cfg.ds_config, self.world), len(self.prompts))
         validated_deepspeed_config(self.cfg, plan, on_gpu=self.on_gpu)
+        if d.has_critic:
+            from dsrl.critic import check_critic
+
+            check_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
         # The output directory: lock, refusals, the verified checkpoint to continue from (dsrl.run_dir).
         self.run_dir = open_run_dir(d.run, checksums=d.run.checkpoint_checksums)
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
@@ -106,7 +122,18 @@ class Trainer:
         self.device = self.rl.device
         self.replica = self.rl.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
         if self.ref_model is not None:
-            self.ref_model = _reference_engine(self.ref_model, self.rl, self.device)
+            self.ref_model = frozen_engine(self.ref_model, self.rl, self.device)
+        self.reward_model = None
+        if d.data.reward_model:
+            from dsrl.reward_model import RewardModel
+
+            self.reward_model = RewardModel.load(d.data.reward_model, tok, self.rl, on_gpu=self.on_gpu,
+                                                 micro_batch_size=d.rollout.logprob_micro_batch_size)
+        self.critic, self.critic_results = None, []
+        if d.has_critic:
+            from dsrl.critic import Critic
+
+            self.critic = Critic.build(self.cfg, tok, self.on_gpu, len(self.prompts))
         self.backend = make_backend(d.rollout, self.rl.engine, tok)
         self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
                                      last_rollout=d.run.last_rollout)
@@ -129,7 +156,7 @@ class Trainer:
         if point is None:
             return False
         load_dir = point.ckpt_dir
-        tag, client, rank_state = self.rl.load_checkpoint(load_dir, point.tag)
+        tag, client, rank_state = self.rl.load_checkpoint(load_dir, point.tag, companions=self._companions())
         if self.rl.last_resume_notice and self.rank == 0:
             log.warning(self.rl.last_resume_notice)
         self.rollout_index = int(client["rollout"])
@@ -153,16 +180,28 @@ class Trainer:
         with self.watch.phase("save"):
             self.rl.save_checkpoint(self.ckpt_dir, tag, client_state=client, rank_state=rank_state,
                                     keep_last=self.d.run.keep_last, checksums=self.d.run.checkpoint_checksums,
-                                    before_commit=lambda path: write_hf_meta(path, self.rl.module, self.tokenizer))
+                                    before_commit=lambda path: write_hf_meta(path, self.rl.module, self.tokenizer),
+                                    companions=self._companions())
         self.stop.save_s = time.perf_counter() - t0
+
+    def _companions(self) -> dict[str, RLEngine]:
+        """Engines saved and resumed in the policy's checkpoint commit (the critic)."""
+        return {"critic": self.critic.rl} if self.critic is not None else {}
 
     # -- training -------------------------------------------------------------------------------
     def loss_fn(self, engine, micro):
-        """Per-token loss: clipped surrogate (+ KL in loss) (- entropy bonus), and per-token metrics."""
-        a = self.d.algorithm
+        """Per-token loss: clipped surrogate (token or sequence ratio) (+ KL in loss) (- entropy bonus), and
+        per-token metrics."""
+        a, algo = self.d.algorithm, self.algo
         logits = forward_logits(engine, micro)
         logp = token_logprobs(logits, micro["targets"], self.d.rollout.temperature)
-        loss, m = clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], a.clip_low, self.algo.clip_high)
+        if algo.ratio_level == "sequence":
+            index = sequence_index(micro["loss_mask"], micro["position_ids"])
+            loss, m = sequence_clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
+                                                   algo.clip_low, algo.clip_high, index)
+        else:
+            loss, m = clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], algo.clip_low,
+                                          algo.clip_high)
         metrics = {"clip_low_frac": m["clip_low_frac"], "clip_high_frac": m["clip_high_frac"]}
         if self.ref_model is not None:
             kl = kl_estimate(logp, micro["ref_logprobs"], a.kl_estimator)
@@ -179,7 +218,9 @@ class Trainer:
         return loss, metrics
 
     def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:
-        """E reshuffled passes over the rollout; one optimizer step per mini-batch.
+        """E reshuffled passes over the rollout; one optimizer step per mini-batch (of the policy, unless
+        in the critic's warm-up, and of the critic). Returns the policy's step results; the critic's are
+        in ``self.critic_results``.
 
         Every rank learns all R lengths, partitions all E*R/B mini-batches, then receives only the
         samples its replica trains on (:mod:`dsrl.replica_data`, rules 3-5)."""
@@ -194,27 +235,38 @@ class Trainer:
         del index
         make = collate_packed if packed else collate
         results = []
+        self.critic_results = []
+        policy_steps = self.rollout_index >= self.plan.critic_warmup_rollouts
         for per_rank in steps:
             mine = my_part(view, per_rank)
             micros = [make([samples[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
-            t0 = time.perf_counter()
-            res = self.rl.train_mini_batch(micros, self.loss_fn)
-            res["step_s"] = time.perf_counter() - t0
-            res["padded_tokens"] = sum(int(m["input_ids"].numel()) for m in micros)
+            res = critic_res = None
+            if policy_steps:
+                t0 = time.perf_counter()
+                res = self.rl.train_mini_batch(micros, self.loss_fn)
+                res["step_s"] = time.perf_counter() - t0
+                res["padded_tokens"] = sum(int(m["input_ids"].numel()) for m in micros)
+                results.append(res)
+            if self.critic is not None:
+                t0 = time.perf_counter()
+                critic_res = self.critic.train_mini_batch(micros)
+                critic_res["step_s"] = time.perf_counter() - t0
+                self.critic_results.append(critic_res)
             self.calls += 1
-            results.append(res)
-            on_step(res)
+            on_step(res, critic_res)
         return results
 
     # -- the loop -------------------------------------------------------------------------------
-    def _on_step(self, res: dict[str, Any], bar: Any) -> None:
-        if bar is not None and res["step_applied"]:
+    def _on_step(self, res: dict[str, Any] | None, critic_res: dict[str, Any] | None, bar: Any) -> None:
+        if bar is not None and res is not None and res["step_applied"]:
             bar.update(1)
-        rec = {"rollout": self.rollout_index + 1, "call": self.calls, "optimizer_step": res["optimizer_step"],
-               **{k: res[k] for k in STEP_METRICS if k in res}}
-        self.metrics.write("step", rec, res["optimizer_step"])
+        rec = {"rollout": self.rollout_index + 1, "call": self.calls, "optimizer_step": self.rl.optimizer_steps,
+               **{k: res[k] for k in STEP_METRICS if res is not None and k in res}}
+        if critic_res is not None:
+            rec.update({f"critic_{k}": critic_res[k] for k in CRITIC_STEP_METRICS if k in critic_res})
+        self.metrics.write("step", rec, self.rl.optimizer_steps)
         # A mini-batch boundary: every rank takes the same stop decision here (dsrl.stop).
-        self.stop.note_step(res.get("step_s", 0.0))
+        self.stop.note_step(sum(r.get("step_s", 0.0) for r in (res, critic_res) if r is not None))
         if self.stop.decide(self.plan.optimizer_steps_per_rollout - (self.calls - self._rollout_calls)) == "stop":
             raise StopRun
 
@@ -272,6 +324,8 @@ class Trainer:
         summary: dict[str, Any] = {}
         start = self.rollout_index
         self._finished_here = False
+        if start == 0 and self.d.sft.steps and self.rl.optimizer_steps == 0:
+            self._supervised_warmup(bar)
         if start >= plan.rollouts and self.rank == 0:
             log.info("%s already holds the finished run (%d rollouts); nothing to do. Use a new "
                      "--dsrl.run.output_dir, or --overwrite to start over.", self.output_dir, plan.rollouts)
@@ -284,7 +338,7 @@ class Trainer:
             t0 = time.perf_counter()
             try:
                 with self.watch.phase("step"):
-                    results = self.train_rollout(local, lambda res: self._on_step(res, bar))
+                    results = self.train_rollout(local, lambda res, critic_res: self._on_step(res, critic_res, bar))
             except StopRun:
                 self._log_stop(mid_rollout=True)
                 return summary
@@ -295,6 +349,8 @@ class Trainer:
                                      rollout_size=plan.rollout_size,
                                      prompt_epochs=self.prompts_drawn / len(self.prompts), sampling_rounds=rounds,
                                      local_train_s=stats.train_s)
+            if self.critic is not None:
+                summary.update(critic_record(self.critic_results))
             self.metrics.write("rollout", summary, self.rl.optimizer_steps)
             if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
                 raise RunError(problem, agreed=True)
@@ -325,6 +381,26 @@ class Trainer:
                     self.stop.reason, where, os.path.join(self.ckpt_dir, latest) if latest else "none")
 
 
+    def _supervised_warmup(self, bar: Any) -> None:
+        """The optional dsrl.sft phase (dsrl/sft.py): policy steps on reference answers before rollout 1."""
+        from dsrl.sft import SupervisedWarmup
+
+        t0, first = time.perf_counter(), []
+
+        def on_step(step: int, res: Any) -> None:
+            if bar is not None and res["step_applied"]:
+                bar.update(1)
+            first.append(res["loss"])
+            rec = {"sft_step": step, "call": step, "optimizer_step": res["optimizer_step"],
+                   **{k: res[k] for k in ("loss", "grad_norm", "lr", "tokens", "token_accuracy", "step_s") if k in res}}
+            self.metrics.write("sft", rec, res["optimizer_step"])
+
+        SupervisedWarmup(self).run(on_step)
+        if self.rank == 0:
+            log.info("supervised warm-up: %d steps, loss %.3f -> %.3f, %.1fs", self.d.sft.steps, first[0], first[-1],
+                     time.perf_counter() - t0)
+
+
 @contextlib.contextmanager
 def _log_through(bar: Any):
     """Route dsrl's log records through tqdm while ``bar`` is shown (so lines do not break the bar);
@@ -343,32 +419,6 @@ def _log_through(bar: Any):
 
     with logging_redirect_tqdm(loggers=[logger]):
         yield
-
-
-def _reference_engine(ref: torch.nn.Module, rl: RLEngine, device: Any) -> Any:
-    """The frozen KL reference: partitioned like the policy under ZeRO-3, else a plain module copy.
-
-    Under ZeRO-3 a full copy on every rank would defeat the point of ZeRO-3, so the reference is
-    wrapped in an optimizer-less DeepSpeed engine (parameters sharded, gathered per forward). Every
-    rank then runs the same number of reference forwards, which holds because every rank scores the
-    same number of log-prob micro-batches per rollout.
-    """
-    if rl.zero_stage != 3:
-        return ref.to(device)
-    import deepspeed
-
-    ds = rl.engine.config if isinstance(getattr(rl.engine, "config", None), dict) else {}
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-                           "steps_per_print": 1 << 30}
-    for key in ("bf16", "fp16"):
-        if isinstance(ds.get(key), dict):
-            cfg[key] = {"enabled": bool(ds[key].get("enabled", False))}
-    if isinstance(ds.get("tensor_parallel"), dict):
-        # AutoTP's groups are global: an engine without them fails; the reference is sharded like the policy.
-        cfg["tensor_parallel"] = dict(ds["tensor_parallel"])
-    engine, *_ = deepspeed.initialize(model=ref, config=cfg)
-    engine.eval()
-    return engine
 
 
 def _match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) -> None:

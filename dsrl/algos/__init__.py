@@ -1,4 +1,5 @@
-"""Advantage estimators and sample filters (GRPO, Dr. GRPO, RLOO, DAPO); pure torch, no distribution."""
+"""Advantage estimators (group-relative: GRPO, Dr. GRPO, RLOO, DAPO, GSPO; GAE for PPO) and sample filters;
+pure torch, no distribution."""
 
 from dsrl.algos.advantages import (
     ESTIMATORS,
@@ -9,6 +10,7 @@ from dsrl.algos.advantages import (
 )
 from dsrl.algos.defaults import ResolvedAlgorithm, resolve_algorithm
 from dsrl.algos.filters import overlong_filter_mask, overlong_shaping, truncated, zero_variance_groups
+from dsrl.algos.gae import gae, token_rewards, whiten
 from dsrl.names import ALGORITHM_DEFAULTS
 
 __all__ = [
@@ -17,11 +19,14 @@ __all__ = [
     "NORMALIZE_STD_DEFAULT",
     "ResolvedAlgorithm",
     "compute_advantages",
+    "gae",
     "group_statistics",
     "overlong_filter_mask",
     "overlong_shaping",
     "resolve_algorithm",
+    "token_rewards",
     "truncated",
     "valid_rewards",
+    "whiten",
     "zero_variance_groups",
 ]

@@ -1,4 +1,6 @@
-"""Group-relative advantage estimators: GRPO, Dr. GRPO, RLOO, DAPO. Pure torch, no distribution.
+"""Group-relative advantage estimators: GRPO, Dr. GRPO, RLOO, DAPO, GSPO. Pure torch, no distribution.
+
+(PPO's advantages come from a critic's values by GAE: :mod:`dsrl.algos.gae`.)
 
 Layout: ``rewards`` is a flat ``[P*G]`` tensor in which the ``G`` samples of each prompt are
 contiguous (prompt ``p`` owns ``rewards[p*G:(p+1)*G]``). The result has the same layout.
@@ -7,6 +9,7 @@ Estimators (``mean`` and ``std`` are over the finite rewards of the sample's gro
 
     grpo      A_i = (r_i - mean) / (std + eps)        normalize_std default True
     dapo      A_i = (r_i - mean) / (std + eps)        normalize_std default True (same as grpo)
+    gspo      A_i = (r_i - mean) / (std + eps)        normalize_std default True (same as grpo)
     dr_grpo   A_i =  r_i - mean                        normalize_std default False (Dr. GRPO drops it)
     rloo      A_i =  r_i - mean_{j != i} r_j           = n/(n-1) * (r_i - mean); needs G >= 2
 
@@ -31,11 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from dsrl.names import ALGORITHM_DEFAULTS, ALGORITHM_NAMES
+from dsrl.names import ALGORITHM_DEFAULTS, GROUP_RELATIVE_ALGORITHMS
 
-ESTIMATORS = ALGORITHM_NAMES
+ESTIMATORS = GROUP_RELATIVE_ALGORITHMS
 # Divide by the group std unless AlgorithmConfig.normalize_std says otherwise.
-NORMALIZE_STD_DEFAULT = {name: d["normalize_std"] for name, d in ALGORITHM_DEFAULTS.items()}
+NORMALIZE_STD_DEFAULT = {name: ALGORITHM_DEFAULTS[name]["normalize_std"] for name in ESTIMATORS}
 
 
 def valid_rewards(rewards: torch.Tensor) -> torch.Tensor:
@@ -90,7 +93,8 @@ def compute_advantages(
     Raises ValueError for an unknown estimator, a malformed rewards tensor, or rloo with G < 2.
     """
     if name not in ESTIMATORS:
-        raise ValueError(f"dsrl.algorithm.name = {name!r} is not one of {', '.join(ESTIMATORS)}")
+        raise ValueError(f"dsrl.algorithm.name = {name!r} is not a group-relative estimator ({', '.join(ESTIMATORS)}); "
+                         "ppo's advantages come from dsrl.algos.gae")
     if name == "rloo" and group_size < 2:
         raise ValueError(
             f"rloo needs at least 2 samples per prompt (leave-one-out baseline), got G = {group_size}. "

@@ -21,6 +21,7 @@ class ResolvedAlgorithm:
     normalize_std: bool
     clip_low: float
     clip_high: float
+    ratio_level: str
     dynamic_sampling: bool
     max_sampling_rounds: int
     overlong_filter: bool
@@ -38,12 +39,14 @@ def resolve_algorithm(cfg: AlgorithmConfig) -> ResolvedAlgorithm:
     ``cfg`` is a validated :class:`AlgorithmConfig`, so ``cfg.name`` is a key of the table.
     """
     d = ALGORITHM_DEFAULTS[cfg.name]
+    clip_low = cfg.clip_low if cfg.clip_low is not None else d["clip_low"]
     clip_high = cfg.clip_high if cfg.clip_high is not None else d["clip_high"]
     return ResolvedAlgorithm(
         name=cfg.name,
         normalize_std=d["normalize_std"] if cfg.normalize_std is None else bool(cfg.normalize_std),
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_low if clip_high is None else clip_high,
+        clip_low=clip_low,
+        clip_high=clip_low if clip_high is None else clip_high,
+        ratio_level=cfg.ratio_level or d["ratio_level"],
         dynamic_sampling=d["dynamic_sampling"] if cfg.dynamic_sampling is None else bool(cfg.dynamic_sampling),
         max_sampling_rounds=cfg.max_sampling_rounds,
         overlong_filter=cfg.overlong_filter,

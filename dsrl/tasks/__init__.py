@@ -5,7 +5,7 @@ partial credit (reward in [0, 1]) and exact-match accuracy. All of them use only
 shipped tiny tokenizer (digits, lower-case letters, space, punctuation).
 
 What a randomly initialised tiny model learns, measured with a Qwen2 of hidden 64, 2 layers, 4 heads
-(~137k parameters), 16 prompts x 4 samples per rollout, one AdamW step per rollout (lr 3e-3, no
+(79k parameters), 16 prompts x 4 samples per rollout, one AdamW step per rollout (lr 3e-3, no
 schedule), GRPO, temperature 1, max_new_tokens 8; mean reward over 3 seeds and a 5-rollout window:
 
 - ``reverse`` (default): 1-3 letters from ``abcde`` reversed, e.g. ``"reverse: abc ="`` -> ``"cba"``.

@@ -42,3 +42,28 @@ def test_gradient_equivalence_all_stages_modes_splits(tmp_path, world):
     for r in results:
         if r["split"] == "empty":
             assert r["error"] == 0.0, r  # zero-token mini-batch: exactly zero gradient, no NaN
+
+
+def test_value_loss_and_gspo_exact_on_two_ranks_all_stages(tmp_path):
+    """The critic's clipped value loss (token-mean) and GSPO's sequence-level ratio (seq-mean-token-mean) are
+    normalized exactly by the same step core: <= 1e-6 against a float64 reference from their definitions on ZeRO
+    0-3 with uneven, padding-only and zero-token splits; the naive per-micro-batch mean fails on the same data."""
+    out = tmp_path / "results.json"
+    cases = []
+    for objective, mode in (("value", "token-mean"), ("gspo", "seq-mean-token-mean")):
+        path = tmp_path / f"{objective}.json"
+        launch(["--module", "dsrl.check", "--ds_config", str(_config(tmp_path)), "--zero_stages", "0,1,2,3",
+                "--objective", objective, "--loss_agg", mode, "--splits", "uneven,pad_rank,empty",
+                "--method", "dsrl,naive", "--json", str(path)], nprocs=2, timeout=900)
+        cases += json.loads(path.read_text())["results"]
+    out.write_text(json.dumps(cases))
+    dsrl_res = [r for r in cases if r["method"] == "dsrl"]
+    assert len(dsrl_res) == 2 * 4 * 3 and {r["objective"] for r in cases} == {"value", "gspo"}
+    assert all(r["world_size"] == 2 for r in cases)
+    worst = max(dsrl_res, key=lambda r: r["error"])
+    assert worst["error"] <= TOL, worst
+    for r in cases:
+        if r["method"] == "naive" and r["split"] != "empty":
+            assert r["error"] > 1e-2, r
+        if r["split"] == "empty":
+            assert r["error"] == 0.0, r

@@ -225,7 +225,7 @@ def test_main_job_pdsh_matches_single_node(cluster: Cluster, launch_dir: Path, t
         warmup["warmup_num_steps"] = min(int(warmup["warmup_num_steps"]), 2)
     run_file = tmp_path / MAIN_CONFIG.name
     run_file.write_text(json.dumps(config, indent=1))
-    job = [str(TRAIN), "--ds_config", str(run_file), "--dsrl.run.rollouts", "2"]
+    job = [str(TRAIN), "--ds_config", str(run_file), "--dsrl.run.rollouts", "2", "--dsrl.sft.steps", "0"]
     multi_dir, single_dir = tmp_path / "multi", tmp_path / "single"
     multi = run_deepspeed(pdsh_args(launch_dir / "hostfile", *job, "--dsrl.run.output_dir", str(multi_dir)),
                           launch_dir, cluster.env(base_env()), timeout=300, cluster=cluster)

@@ -16,6 +16,7 @@ BASE_ARGS = [
     "--dsrl.batch.prompts_per_rollout", "8", "--dsrl.batch.samples_per_prompt", "4",
     "--dsrl.batch.mini_batch_size", "16", "--dsrl.batch.epochs_per_rollout", "2",
     "--dsrl.run.save_every", "1", "--dsrl.run.keep_last", "3", "--dsrl.run.progress_bar", "false",
+    "--dsrl.sft.steps", "0",
 ]
 
 
@@ -110,7 +111,7 @@ def test_zero3_kl_reference_is_partitioned_and_starts_at_zero(tmp_path):
     launch(["launch/train.py", "--ds_config", str(tmp_path / "run.json"), "--dsrl.run.rollouts", "2",
             "--dsrl.algorithm.kl_coef", "0.05", "--dsrl.algorithm.kl_estimator", "k3",
             "--dsrl.run.output_dir", str(out), "--dsrl.run.progress_bar", "false",
-            "--dsrl.run.save_final", "false"], nprocs=2, timeout=600)
+            "--dsrl.run.save_final", "false", "--dsrl.sft.steps", "0"], nprocs=2, timeout=600)
     steps = _steps(out)
     assert len(steps) == 4
     assert abs(steps[0]["kl"]) < 1e-6  # the policy equals the reference before the first update
@@ -137,6 +138,7 @@ def test_plain_python_local_model_dir_jsonl_prompts_and_dotted_reward(tmp_path):
     raw.pop("scheduler")
     raw["dsrl"]["batch"].update(prompts_per_rollout=4, samples_per_prompt=2, mini_batch_size=4)
     raw["dsrl"]["run"] = {"epochs": 1, "output_dir": str(tmp_path / "out"), "progress_bar": False}
+    raw["dsrl"]["sft"] = {"steps": 0}
     raw["dsrl"]["model"] = {"path": str(model_dir)}
     raw["dsrl"]["data"] = {"path": str(REPO / "tests" / "data" / "prompts.jsonl"), "prompt_key": "question",
                            "answer_key": "solution", "reward_fn": "tests/data/reward_fixture.py:length_per_sample"}
@@ -156,6 +158,7 @@ def test_plain_python_local_model_dir_jsonl_prompts_and_dotted_reward(tmp_path):
 def test_dapo_dynamic_sampling_two_ranks_zero3(tmp_path):
     raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
     raw["zero_optimization"] = {"stage": 3}
+    raw["dsrl"]["batch"].update(prompts_per_rollout=16, samples_per_prompt=4, mini_batch_size=32)
     raw["scheduler"]["params"]["warmup_num_steps"] = 1
     (tmp_path / "run.json").write_text(json.dumps(raw))
     out = tmp_path / "out"
@@ -165,7 +168,8 @@ def test_dapo_dynamic_sampling_two_ranks_zero3(tmp_path):
             # exact-match reward: a random policy gets 0 almost everywhere, so most groups have zero variance
             # and dynamic sampling runs all its rounds (ranks with nothing left to generate join the gathers)
             "--dsrl.data.reward_fn", "tests/data/reward_fixture.py:exact_batched",
-            "--dsrl.run.progress_bar", "false", "--dsrl.run.save_final", "false"], nprocs=2, timeout=600)
+            "--dsrl.run.progress_bar", "false", "--dsrl.run.save_final", "false", "--dsrl.sft.steps", "0"],
+           nprocs=2, timeout=600)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rollouts = [r for r in rows if r["event"] == "rollout"]
     assert [r["optimizer_step"] for r in rollouts] == [2, 4, 6]

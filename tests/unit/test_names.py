@@ -17,11 +17,13 @@ def _choices(model, field):
 
 
 def test_every_consumer_uses_the_same_names():
-    assert set(names.ALGORITHM_DEFAULTS) == set(names.ALGORITHM_NAMES) == set(ESTIMATORS)
+    assert set(names.ALGORITHM_DEFAULTS) == set(names.ALGORITHM_NAMES)
+    assert set(ESTIMATORS) | set(names.CRITIC_ALGORITHMS) == set(names.ALGORITHM_NAMES)
     assert _choices(AlgorithmConfig, "name") == set(names.ALGORITHM_NAMES)
     assert loss.MODES == names.LOSS_AGG_MODES and _choices(BatchConfig, "loss_agg") == set(names.LOSS_AGG_MODES)
     assert set(names.ALGORITHM_LOSS_AGG.values()) <= set(names.LOSS_AGG_MODES)
-    assert NORMALIZE_STD_DEFAULT == {n: d["normalize_std"] for n, d in names.ALGORITHM_DEFAULTS.items()}
+    assert NORMALIZE_STD_DEFAULT == {n: names.ALGORITHM_DEFAULTS[n]["normalize_std"] for n in ESTIMATORS}
+    assert all(d["ratio_level"] in names.RATIO_LEVELS for d in names.ALGORITHM_DEFAULTS.values())
     assert set(TASKS) == set(names.TASK_NAMES) == _choices(DataConfig, "task")
     assert names.DEFAULT_TASK in TASKS
     assert _choices(ModelConfig, "arch") == set(names.TINY_ARCHS)
