@@ -29,3 +29,13 @@ def test_every_consumer_uses_the_same_names():
     assert _choices(ModelConfig, "arch") == set(names.TINY_ARCHS)
     for arch in names.TINY_ARCHS:
         assert tiny_config(arch, 16, 0, 1, 2).vocab_size == 16
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports tests/ without packages, by basename: two files of one name stop collection (CI)."""
+    import collections
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    names = collections.Counter(p.name for p in root.rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []

@@ -23,7 +23,7 @@ from dsrl.experience import ExperienceMaker
 def test_each_rollout_syncs_the_generator_weights_before_generating(monkeypatch):
     calls = []
     backend = types.SimpleNamespace(sync_weights=lambda: calls.append("sync"))
-    trainer = types.SimpleNamespace(d=None, backend=backend, rl=types.SimpleNamespace(view=None))
+    trainer = types.SimpleNamespace(d=None, backend=backend, critic=None, rl=types.SimpleNamespace(view=None))
     maker = ExperienceMaker(trainer)
     monkeypatch.setattr(maker, "collect", lambda i: (calls.append(f"collect {i}"), ([], _Stats(), 1))[1])
     monkeypatch.setattr(maker, "score_logprobs", lambda s: None)
