@@ -21,6 +21,7 @@ CASES = {  # name: (ranks, run file, extra overrides)
 
 def _run(tmp_path, ranks: int, config: str, extra: list[str], path: str):
     raw = json.loads((REPO / "configs" / config).read_text())
+    raw["dsrl"]["sft"] = {"steps": 0}  # RL only (the default config's warm-up is not under test)
     raw["scheduler"]["params"]["warmup_num_steps"] = 2  # 2 rollouts x 4 steps
     out = tmp_path / path
     launch(["tests/workers/datapath_worker.py", "--datapath", path,

@@ -29,6 +29,7 @@ ROLLOUTS = 3
 
 def run_file(tmp_path) -> str:
     raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw["dsrl"]["sft"] = {"steps": 0}  # RL only (the default config's warm-up is not under test)
     raw["scheduler"]["params"]["warmup_num_steps"] = 2
     raw.pop("csv_monitor", None)
     raw["dsrl"]["batch"].update(prompts_per_rollout=8, samples_per_prompt=4, mini_batch_size=16)

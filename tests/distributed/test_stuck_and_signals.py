@@ -24,6 +24,7 @@ from conftest import REPO, free_port, launch
 
 def _config(tmp_path) -> str:
     raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw["dsrl"]["sft"] = {"steps": 0}  # RL only (the default config's warm-up is not under test)
     raw.pop("scheduler")
     raw.pop("csv_monitor", None)
     path = tmp_path / "run.json"
