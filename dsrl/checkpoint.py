@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl import collectives, manifest
+from dsrl.atomic_io import atomic_torch_save, atomic_write_bytes, fsync_path
 from dsrl.run_errors import CheckpointError
 
 COMPLETE = "COMPLETE"
@@ -49,47 +50,6 @@ log = logging.getLogger("dsrl.checkpoint")
 
 def _rank() -> int:
     return collectives.rank()
-
-
-def _fsync_path(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_path(os.path.dirname(os.path.abspath(path)))
-
-
-def atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        torch.save(obj, tmp)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def is_complete(save_dir: str, tag: str) -> bool:
@@ -222,7 +182,7 @@ def begin(save_dir: str, tag: str) -> str | None:
                 marker = os.path.join(path, COMPLETE)
                 if os.path.exists(marker):
                     os.unlink(marker)  # never complete while it is being replaced
-                    _fsync_path(path)
+                    fsync_path(path)
                 shutil.rmtree(path)
         except OSError as e:
             error = _describe_failure(e, save_dir)
@@ -256,7 +216,7 @@ def write_rank_state(save_dir: str, tag: str, rank_state: dict[str, Any] | None,
             atomic_torch_save(rank_state, os.path.join(path, f"dsrl_rank{_rank()}.pt"))
         for folder, _, files in os.walk(path):
             for name in files:
-                _fsync_path(os.path.join(folder, name))
+                fsync_path(os.path.join(folder, name))
     except Exception as e:
         error = _describe_failure(e, path)
     if _rank() == 0 and os.environ.get(FAULT_KILL_ENV) == tag:
