@@ -207,21 +207,58 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"kl_estimator {estimator!r} must be k1, k2 or k3")
 
 
+# fp32 working set of one chunk in the no-autograd log-prob / entropy paths (old/ref log-probs, the
+# entropy metric): rows are processed in chunks of at most this many bytes of fp32 logits.
+LOGIT_CHUNK_BYTES = 1 << 28
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = x.float()
+    return x / temperature if temperature != 1.0 else x
+
+
+def _per_row_chunked(logits: torch.Tensor, fn, *extra: torch.Tensor) -> torch.Tensor:
+    """``fn(logit_rows, *extra_rows) -> [rows]`` over row chunks of ``logits`` ``[..., V]``: a float32
+    ``[...]`` result without ever holding a float32 copy of all of ``logits`` (no autograd)."""
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    flat_extra = [e.reshape(-1) for e in extra]
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab))
+    with torch.no_grad():
+        for i in range(0, flat.shape[0], step):
+            out[i:i + step] = fn(flat[i:i + step], *(e[i:i + step] for e in flat_extra))
+    return out.reshape(logits.shape[:-1])
+
+
+def _target_logprob(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(target_t | prefix) for every position, ``[b, t]``, computed in float32."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    """log pi(target_t | prefix) for every position, ``[b, t]``, in float32 (a log-softmax per row).
+
+    With autograd the whole tensor is upcast at once (its backward keeps a float32 ``[b, t, V]``
+    anyway); without (old and reference log-probs) the rows go through in chunks of
+    ``LOGIT_CHUNK_BYTES``, so no float32 copy of all the logits exists. Both paths compute the same
+    per-row operations (tests/unit/test_logprob_chunks.py: bitwise equal on CPU).
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _target_logprob(_scaled(logits, temperature), targets)
+    return _per_row_chunked(logits, lambda x, t: _target_logprob(_scaled(x, temperature), t), targets)
+
+
+def _entropy(x: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(x, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the policy at every position, ``[b, t]`` (float32)."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    """Entropy of the policy at every position, ``[b, t]`` (float32); without autograd (the entropy
+    metric) in row chunks, as :func:`token_logprobs`."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _entropy(_scaled(logits, temperature))
+    return _per_row_chunked(logits, lambda x: _entropy(_scaled(x, temperature)))
 
 
 def sequence_index(loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

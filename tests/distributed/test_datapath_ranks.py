@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO, launch, write_json
 
-ROLLOUTS = 2
+ROLLOUTS = 1  # 4 optimizer steps over 2 reshuffled epochs
 CASES = {  # name: (ranks, run file, extra overrides)
     "dp2-zero2-fixed": (2, "tiny_grpo_cpu.json", ["--dsrl.batch.micro_batch_size_per_rank", "2",
                                                   "--dsrl.batch.max_tokens_per_micro_batch", "null"]),
@@ -22,7 +22,7 @@ CASES = {  # name: (ranks, run file, extra overrides)
 def _run(tmp_path, ranks: int, config: str, extra: list[str], path: str):
     raw = json.loads((REPO / "configs" / config).read_text())
     raw["dsrl"]["sft"] = {"steps": 0}  # RL only (the default config's warm-up is not under test)
-    raw["scheduler"]["params"]["warmup_num_steps"] = 2  # 2 rollouts x 4 steps
+    raw["scheduler"]["params"]["warmup_num_steps"] = 2  # of 4 steps
     out = tmp_path / path
     launch(["tests/workers/datapath_worker.py", "--datapath", path,
             "--ds_config", str(write_json(tmp_path / "run.json", raw)), "--dsrl.run.rollouts", str(ROLLOUTS),
