@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -113,7 +114,31 @@ def convert_to_universal(engine_dir: str, out: str | None = None) -> tuple[str, 
 
     tmp = f"{out}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    args = argparse.Namespace(input_folder=engine_dir, output_folder=tmp, num_extract_workers=1,
+    with _engine_files_only(engine_dir) as source:
+        return _convert(ds_to_universal, engine_dir, source, tmp, out)
+
+
+@contextlib.contextmanager
+def _engine_files_only(engine_dir: str):
+    """``engine_dir`` itself, or, when it holds sub-directories (a companion engine such as the critic,
+    ``hf/``), a temporary directory of links to its own files only: DeepSpeed's converter collects
+    model-state files recursively and would count the companion's as another model-parallel rank."""
+    if not any(os.path.isdir(os.path.join(engine_dir, n)) for n in os.listdir(engine_dir)):
+        yield engine_dir
+        return
+    stage = tempfile.mkdtemp(prefix="dsrl-engine-files-")
+    try:
+        for name in os.listdir(engine_dir):
+            path = os.path.abspath(os.path.join(engine_dir, name))
+            if os.path.isfile(path):
+                os.symlink(path, os.path.join(stage, name))
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _convert(ds_to_universal: Any, engine_dir: str, source: str, tmp: str, out: str) -> tuple[str, float]:
+    args = argparse.Namespace(input_folder=source, output_folder=tmp, num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     chatter = io.StringIO()
     t0 = time.perf_counter()

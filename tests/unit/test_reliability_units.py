@@ -324,3 +324,24 @@ def test_stop_decisions(monkeypatch):
     assert _looks_like_launcher(["python", "-m", "deepspeed.launcher.launch", "--world_info=x"])
     assert _looks_like_launcher(["/usr/bin/python", "/usr/local/bin/deepspeed", "train.py"])
     assert not _looks_like_launcher(["bash", "-c", "python train.py"])
+
+
+def test_universal_conversion_sees_only_the_engine_s_own_files(tmp_path):
+    """A policy checkpoint holds its critic in a sub-directory; DeepSpeed's converter walks directories
+    recursively and took the critic's model-state file for a second model-parallel rank (found on a
+    2 -> 1 PPO resume). The converter is given the engine's own files only."""
+    from dsrl.elastic import _engine_files_only
+
+    tag = tmp_path / "rollout2"
+    (tag / "critic").mkdir(parents=True)
+    (tag / "hf").mkdir()
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "COMPLETE"):
+        (tag / name).write_text(name)
+    (tag / "critic" / "mp_rank_00_model_states.pt").write_text("critic")
+    with _engine_files_only(str(tag)) as source:
+        seen = sorted(os.path.relpath(os.path.join(r, f), source) for r, _, fs in os.walk(source) for f in fs)
+        assert seen == ["COMPLETE", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+        assert Path(source, "mp_rank_00_model_states.pt").read_text() == "mp_rank_00_model_states.pt"
+    assert not os.path.exists(source)  # the staging directory is gone
+    with _engine_files_only(str(tag / "critic")) as source:
+        assert source == str(tag / "critic")  # nothing nested: converted in place
