@@ -221,7 +221,7 @@ def run_dsrl(w: Workload) -> list[dict[str, Any]]:
         clock.sync()
         t0 = time.perf_counter()
         local, _stats, _rounds = trainer.experience.make(trainer.rollout_index)
-        trainer.train_rollout(local, lambda res: None)
+        trainer.train_rollout(local, lambda res, critic_res: None)
         clock.sync()
         trainer.rollout_index += 1
         record = {"rollout_s": time.perf_counter() - t0, **clock.take(), "peak_mb": peak_memory_mb(w.device)}

@@ -67,12 +67,25 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16; default float32 on CPU, bfloat16 on GPU")
     ap.add_argument("--attn", default=None, help="model.attn_implementation, e.g. flash_attention_2 (default sdpa)")
+    ap.add_argument("--cb_attention", nargs="+", default=["model", "varlen"], choices=["model", "varlen"],
+                    help="rollout.cb_attention settings to measure, each as its own cb column")
+    ap.add_argument("--cuda_graphs", default="auto", choices=["auto", "off"],
+                    help="off: continuous batching without CUDA graphs and asynchronous batching (attribution)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-record", dest="no_record", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.concurrency, args.repeats = ["tiny"], [8, 32], 1
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if args.cuda_graphs == "off":
+        make_config = ContinuousBatchingBackend.continuous_batching_config
+
+        def without_graphs(self, *a, **kw):
+            cfg = make_config(self, *a, **kw)
+            cfg.use_cuda_graph, cfg.use_async_batching = False, False
+            return cfg
+
+        ContinuousBatchingBackend.continuous_batching_config = without_graphs
     g = args.samples_per_prompt
     tok = types.SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
     rows = []
@@ -82,35 +95,47 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters()) / 1e6
         for c in args.concurrency:
             ps = prompts(max(args.sequences, c) // g, SHAPES[shape]["vocab"], seed=0)
-            cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                generation_batch_size=max(1, c // g))
-            hf, cb = HFRolloutBackend(model, tok, cfg), ContinuousBatchingBackend(model, tok, cfg)
-            timed(cb, ps[:1], 1, seed=0)  # first-call imports/allocations out of the measurement
-            rates: dict[str, list[float]] = {"hf": [], "cb": []}
+            backends: dict[str, object] = {}
+            for att in args.cb_attention:
+                cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                    generation_batch_size=max(1, c // g), cb_attention=att)
+                backends.setdefault("hf", HFRolloutBackend(model, tok, cfg))
+                backends[f"cb/{att}"] = cb = ContinuousBatchingBackend(model, tok, cfg)
+                timed(cb, ps[:1], 1, seed=0)  # first-call imports/allocations/graph captures out of the measurement
+            rates: dict[str, list[float]] = {name: [] for name in backends}
             lengths: list[int] = []
             for r in range(args.repeats):
-                for name, be in (("hf", hf), ("cb", cb)):
+                for name, be in backends.items():
                     s, out = timed(be, ps, g, seed=100 + r)
                     print(f"  {shape} C={c} round {r} {name}: {s:.2f} s", flush=True)
                     n_tok = sum(len(o.completion_ids) for o in out)
                     rates[name].append(n_tok / s)
                     lengths += [len(o.completion_ids) for o in out]
-            ratios = [b / a for a, b in zip(rates["hf"], rates["cb"])]
             trunc = sum(n == args.max_new_tokens for n in lengths) / len(lengths)
-            rows.append([shape, f"{params:.1f} M", c, len(ps) * g, f"{statistics.mean(lengths):.1f}", f"{trunc:.1%}",
-                         f"{statistics.median(rates['hf']):.0f}", f"{statistics.median(rates['cb']):.0f}",
-                         f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}"])
+            row = [shape, f"{params:.1f} M", c, len(ps) * g, f"{statistics.mean(lengths):.1f}", f"{trunc:.1%}",
+                   f"{statistics.median(rates['hf']):.0f}"]
+            for name in backends:
+                if name == "hf":
+                    continue
+                ratios = [b / a for a, b in zip(rates["hf"], rates[name])]
+                row += [f"{statistics.median(rates[name]):.0f}", f"{statistics.median(ratios):.2f} "
+                        f"({min(ratios):.2f}-{max(ratios):.2f})"]
+            rows.append(row)
             print(" | ".join(str(x) for x in rows[-1]), flush=True)
     body = (f"N sequences per call (N/{g} prompts x G = {g}), max_new_tokens = {args.max_new_tokens}, geometric "
             f"completion lengths (eos probability 1/{args.mean_len:g} per step), temperature 1, {args.device}, "
             f"{args.dtype or ('float32' if args.device == 'cpu' else 'bfloat16')}, attention "
-            f"{model.config._attn_implementation}, "
+            f"{model.config._attn_implementation}, CUDA graphs {args.cuda_graphs}, "
             f"{torch.get_num_threads()} torch thread(s), transformers {transformers.__version__}, {args.repeats} "
             "interleaved rounds. tokens/s = completion "
             "tokens / wall time of one generate call (median over rounds); cb/hf = median of the per-round ratios, "
-            "then their range.\n\n")
-    body += table(["shape", "params", "C", "N", "mean len", "truncated", "hf tok/s", "cb tok/s", "cb/hf",
-                   "cb/hf range"], rows)
+            "then their range. cb model = continuous batching under the model's attention (sdpa: dense mask); "
+            "cb varlen = under dsrl's packed attention (rollout.cb_attention, dsrl/rollout/varlen_attention.py)."
+            "\n\n")
+    cols = []
+    for att in args.cb_attention:
+        cols += [f"cb {att} tok/s", f"cb {att}/hf (range)"]
+    body += table(["shape", "params", "C", "N", "mean len", "truncated", "hf tok/s", *cols], rows)
     report("Rollout generation: hf generate vs continuous batching (bench/rollout.py)", body, args.no_record)
 
 

@@ -288,6 +288,10 @@ class RolloutConfig(Section):
     backend: Literal["hf", "cb", "auto", "vllm"] = setting(
         "hf", "generation backend: hf (transformers generate), cb (transformers continuous batching), auto "
         "(hf or cb per call, docs/rollout.md), vllm")
+    cb_attention: Literal["auto", "model", "varlen"] = setting(
+        "auto", "attention inside continuous batching (cb): model (the model's attn_implementation; sdpa/eager "
+        "then attend through a dense mask), varlen (dsrl's packed attention: PyTorch's own flash kernel on a GPU "
+        "in bf16/fp16), auto (varlen where that was measured faster, docs/rollout.md)")
     max_new_tokens: int = setting(16, "completion length limit", "tokens", gt=0)
     temperature: float = setting(1.0, "sampling temperature", gt=0)
     top_p: float = setting(1.0, "nucleus sampling: keep the smallest token set whose probability reaches top_p",

@@ -13,16 +13,19 @@ prompt counts) still issue the same collectives.
   when output lengths vary (Anyscale, 2023, OPT-13B on an A100: 8x for iteration-level batching in
   TGI / Ray Serve, 23x with vLLM's paged memory).
 - sdpa / eager on the CPU: ``cb``, except ``hf`` for a model under ``CPU_SMALL_MODEL_PARAMETERS`` at more
-  than ``CPU_SMALL_MODEL_MAX_CB_CONCURRENCY`` concurrent sequences. Measured side by side with
+  than ``CPU_SMALL_MODEL_MAX_CB_CONCURRENCY`` concurrent sequences *when cb would attend through the dense
+  mask* (``rollout.cb_attention = "model"``; its ``"auto"`` uses dsrl's packed attention there, measured
+  2.74x ``hf`` on the tiny model at C = 512, 2026-11-24). Measured side by side with
   ``bench/rollout.py`` (docs/benchmarks.md, 2026-11-23, 2 shared cores, one thread, long-tailed
   completions): ``cb`` was faster in every cell (1.8-3.5x, C = 8-512) on a 26.5 M parameter Qwen2 shape
   and at C = 8-256 on dsrl's 0.1 M parameter tiny model (1.07-3.4x), but 0.72x on the tiny model at
   C = 512 (table in docs/rollout.md): with a dense mask each step attends every query to every cached
   token of the step, a cost that grows with C squared and, on a model that small, outweighs the
   padding ``hf`` decodes.
-- sdpa / eager on an accelerator: ``hf``. Continuous batching then runs without CUDA graphs under
-  the same C-squared dense mask; measured on one H100 (Qwen2.5-0.5B shape, bf16, C = 64,
-  ``bench/rollout.py --device cuda --shapes 0.5b``): cb/hf 0.83.
+- sdpa / eager on an accelerator: ``hf``. Continuous batching under the dense mask was measured on one
+  H100 (Qwen2.5-0.5B shape, bf16, C = 64, ``bench/rollout.py --device cuda --shapes 0.5b``): cb/hf 0.83.
+  Under dsrl's packed attention (PyTorch's flash kernel, CUDA graphs) it has not been measured on a GPU,
+  so ``auto`` does not pick it there; ``rollout.backend = "cb"`` does (docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -32,26 +35,24 @@ from typing import Any
 import torch
 
 from dsrl.rollout.base import Completion, RolloutBackend
-from dsrl.rollout.cb import ContinuousBatchingBackend, is_flash
+from dsrl.rollout.cb import ContinuousBatchingBackend, is_flash, num_parameters
 from dsrl.rollout.hf import HFRolloutBackend
 
 CPU_SMALL_MODEL_PARAMETERS = 1_000_000
 CPU_SMALL_MODEL_MAX_CB_CONCURRENCY = 256
 
 
-def num_parameters(module: torch.nn.Module) -> int:
-    """Parameters of the full model (a ZeRO-3 partition knows its full size as ``ds_numel``)."""
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
-
-
-def auto_backend_name(device_type: str, attn_implementation: str | None, parameters: int, concurrency: int) -> str:
+def auto_backend_name(device_type: str, attn_implementation: str | None, parameters: int, concurrency: int,
+                      cb_attention: str | None = None) -> str:
     """``"hf"`` or ``"cb"`` for a device type (``"cpu"``, ``"cuda"``, ...), the model's attention
-    implementation and parameter count, and the call's concurrency C."""
+    implementation and parameter count, the call's concurrency C and the attention continuous batching
+    would run under (:func:`dsrl.rollout.cb.cb_attention_implementation`; default: the model's)."""
     if is_flash(attn_implementation):
         return "cb"
     if device_type == "cpu":
+        dense = not is_flash(cb_attention if cb_attention is not None else attn_implementation)
         small = parameters < CPU_SMALL_MODEL_PARAMETERS
-        return "hf" if small and concurrency > CPU_SMALL_MODEL_MAX_CB_CONCURRENCY else "cb"
+        return "hf" if dense and small and concurrency > CPU_SMALL_MODEL_MAX_CB_CONCURRENCY else "cb"
     return "hf"
 
 
@@ -76,7 +77,8 @@ class AutoRolloutBackend(RolloutBackend):
         concurrency = max(1, min(num_prompts, self.cfg.generation_batch_size)) * samples_per_prompt
         device: torch.device = self.hf.device
         attn = getattr(getattr(self.hf.module, "config", None), "_attn_implementation", None)
-        name = auto_backend_name(device.type, attn, self.num_params, concurrency)
+        cb_attn = self.cb.attention(num_prompts, samples_per_prompt) if self.cb is not None else None
+        name = auto_backend_name(device.type, attn, self.num_params, concurrency, cb_attn)
         return self.cb if name == "cb" and self.cb is not None else self.hf
 
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, **kwargs: Any

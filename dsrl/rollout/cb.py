@@ -30,11 +30,13 @@ contract as the ``hf`` backend (:mod:`dsrl.rollout.base`, :mod:`dsrl.rollout.hf`
   call on every rank with DeepSpeed's hooks suspended, no copy of the weights, so nothing to sync. A
   rank with no prompts still enters the gather and returns ``[]``.
 
-The attention implementation is the model's own (``model.attn_implementation``): the backend never
-lets transformers switch to a flash kernel (which could be fetched at run time). With flash attention
-transformers uses varlen kernels, CUDA graphs and asynchronous batching; with sdpa/eager it packs the
-step's sequences with a dense block-diagonal ``[batch tokens, cached tokens]`` mask, whose size
-:func:`cache_geometry` bounds.
+Attention (``rollout.cb_attention``, :func:`cb_attention_implementation`): a flash implementation of the
+model is kept (transformers runs it on varlen kernels with CUDA graphs and asynchronous batching);
+otherwise either the model's own sdpa/eager, which transformers packs under a dense block-diagonal
+``[batch tokens, cached tokens]`` mask whose size :func:`cache_geometry` bounds, or dsrl's packed
+attention (:mod:`dsrl.rollout.varlen_attention`: PyTorch's own flash kernel on a GPU), set on the config
+for the call only. The backend never lets transformers switch to a flash kernel by itself (one could be
+fetched at run time).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ import torch
 
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos
 from dsrl.rollout.hf import HFRolloutBackend, _neutral_generation_config, gathered_for_generation
+from dsrl.rollout.varlen_attention import VARLEN_ATTENTION, check_flash_kernel, uses_flash_kernel
+from dsrl.rollout.varlen_attention import register as register_varlen_attention
 
 FLASH_PAGE_SIZE = 256  # transformers' default; flash-attn's paged kernels want multiples of 256
 DENSE_MASK_PAGE_SIZE = 32  # sdpa/eager: the mask grows with the cache tokens, so keep pages tight
@@ -63,6 +67,40 @@ INSTALL_HINT = ("rollout.backend = 'cb' needs transformers' continuous batching 
 def is_flash(attn_implementation: str | None) -> bool:
     """Whether transformers runs this attention implementation without a dense mask (varlen kernels)."""
     return "flash" in str(attn_implementation or "")
+
+
+CPU_VARLEN_MIN_PARAMETERS = 1_000_000  # cb_attention "auto" on the CPU: packed attention from this model size
+CPU_VARLEN_MIN_CONCURRENCY = 128  # ... or from this many concurrent sequences
+
+
+def num_parameters(module: torch.nn.Module) -> int:
+    """Parameters of the full model (a ZeRO-3 partition knows its full size as ``ds_numel``)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+
+
+def cb_attention_implementation(setting: str, model_attn: str | None, device: torch.device, dtype: torch.dtype,
+                                parameters: int, concurrency: int) -> str | None:
+    """The attention implementation continuous batching runs under for ``rollout.cb_attention``.
+
+    A flash implementation of the model is kept whatever the setting (transformers already packs it).
+    Otherwise ``"model"`` keeps the model's own (sdpa/eager: the dense mask), ``"varlen"`` gives
+    :data:`dsrl.rollout.varlen_attention.VARLEN_ATTENTION`, and ``"auto"`` gives it
+    - on the CPU, for a model of at least ``CPU_VARLEN_MIN_PARAMETERS`` or at least
+      ``CPU_VARLEN_MIN_CONCURRENCY`` concurrent sequences (measured faster there, docs/rollout.md; below
+      both, per-step overhead dominates and the dense mask was faster);
+    - on a GPU that runs PyTorch's flash kernel in this dtype (not measured: chosen because the dense mask
+      was measured slower than ``generate`` there, and checked for correctness once per process);
+    and keeps the model's own elsewhere. A function of the settings, model and workload only.
+    """
+    if is_flash(model_attn) or setting == "model":
+        return model_attn
+    if setting == "varlen":
+        return VARLEN_ATTENTION
+    if device.type == "cpu":
+        big = parameters >= CPU_VARLEN_MIN_PARAMETERS or concurrency >= CPU_VARLEN_MIN_CONCURRENCY
+        return VARLEN_ATTENTION if big else model_attn
+    probe = torch.empty(0, device=device, dtype=dtype)
+    return VARLEN_ATTENTION if uses_flash_kernel(probe) else model_attn
 
 
 @dataclass(frozen=True)
@@ -149,18 +187,32 @@ class ContinuousBatchingBackend(RolloutBackend):
             raise ImportError(INSTALL_HINT) from e
         self._hf = HFRolloutBackend(engine_or_module, tokenizer, rollout_cfg)
         self.module, self.ds_engine, self.cfg, self.eos = self._hf.module, self._hf.ds_engine, rollout_cfg, self._hf.eos
+        self._num_params: int | None = None
         if not hasattr(self.module, "init_continuous_batching"):
             raise TypeError(f"{type(self.module).__name__} is not a transformers model with continuous batching; "
                             "use rollout.backend = 'hf'")
+
+    def concurrency(self, num_prompts: int, samples_per_prompt: int) -> int:
+        """C: sequences decoded at once by a call with this many prompts (:func:`cache_geometry`'s bound)."""
+        return max(1, min(num_prompts, self.cfg.generation_batch_size)) * samples_per_prompt
+
+    def attention(self, num_prompts: int, samples_per_prompt: int) -> str | None:
+        """The attention implementation a call runs under (:func:`cb_attention_implementation`)."""
+        if self._num_params is None:
+            self._num_params = num_parameters(self.module)
+        return cb_attention_implementation(
+            getattr(self.cfg, "cb_attention", "auto"), self.module.config._attn_implementation, self._hf.device,
+            next(self.module.parameters()).dtype, self._num_params, self.concurrency(num_prompts, samples_per_prompt))
 
     def continuous_batching_config(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
                                    return_logprobs: bool = False) -> Any:
         """transformers' ``ContinuousBatchingConfig`` of one call (geometry from :func:`cache_geometry`)."""
         from transformers import ContinuousBatchingConfig
 
+        dense_mask = not is_flash(self.attention(len(prompt_ids), samples_per_prompt))
         geometry = cache_geometry(
             [len(p) for p in prompt_ids], samples_per_prompt, self.cfg.max_new_tokens,
-            self.cfg.generation_batch_size, dense_mask=not is_flash(self.module.config._attn_implementation),
+            self.cfg.generation_batch_size, dense_mask=dense_mask,
             mask_itemsize=next(self.module.parameters()).element_size(),
         )
         return ContinuousBatchingConfig(
@@ -215,10 +267,16 @@ class ContinuousBatchingBackend(RolloutBackend):
     def _run(self, prompt_ids: list[list[int]], g: int, seed: int, return_logprobs: bool) -> dict[str, Any]:
         """Every request through one manager: request id ``"<prompt>/<sample>"`` -> GenerationOutput."""
         cb_cfg = self.continuous_batching_config(prompt_ids, g, seed, return_logprobs)
-        attn = self.module.config._attn_implementation
+        attn, run_attn = self.module.config._attn_implementation, self.attention(len(prompt_ids), g)
         pin = self.module.register_forward_pre_hook(_same_threads_hook(torch.get_num_threads()))
         manager, started, done = None, False, False
         try:
+            if run_attn == VARLEN_ATTENTION and attn != run_attn:
+                # set on the config, not through set_attn_implementation: transformers would try to import
+                # flash-attn (or fetch a kernel) for any name containing "flash"
+                register_varlen_attention()
+                check_flash_kernel(self._hf.device, next(self.module.parameters()).dtype)
+                self.module.config._attn_implementation = run_attn
             manager = self.module.init_continuous_batching(generation_config=self._hf.generation_config(),
                                                            continuous_batching_config=cb_cfg)
             self._check_processors(manager)
@@ -258,7 +316,9 @@ class ContinuousBatchingBackend(RolloutBackend):
                 manager.batch_processor = None  # the paged cache and the batch buffers
                 manager.destroy()
             pin.remove()
-            if self.module.config._attn_implementation != attn:
+            if self.module.config._attn_implementation == VARLEN_ATTENTION != attn:
+                self.module.config._attn_implementation = attn
+            elif self.module.config._attn_implementation != attn:
                 self.module.set_attn_implementation(attn)
 
     def _check_processors(self, manager: Any) -> None:

@@ -1,5 +1,5 @@
-"""The hf and cb rollout backends under ZeRO-3 on 2 ranks: uneven work per rank never hangs and
-matches a plain module."""
+"""The hf and cb rollout backends under ZeRO-3 on 2 ranks (cb under both rollout.cb_attention
+paths): uneven work per rank never hangs and matches a plain module."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ import pytest
 from conftest import REPO, launch
 
 
-@pytest.mark.parametrize("backend", ["hf", "cb"])
-def test_zero3_uneven_generation_matches_plain_module(tmp_path, backend):
+@pytest.mark.parametrize("backend,cb_attention", [("hf", "auto"), ("cb", "model"), ("cb", "varlen")])
+def test_zero3_uneven_generation_matches_plain_module(tmp_path, backend, cb_attention):
     """2 ranks under ZeRO-3: rank 0 generates 3 prompts x 3 samples (12 tokens max), rank 1 one prompt
     (5 tokens max), then rank 1 none at all; no hang, every generation equals the plain module's,
     each generate call issues the same fixed collectives (the one parameter gather) on every rank, and
-    identical work gives identical completions on both ranks. hf also probes why the hooks are suspended."""
+    identical work gives identical completions on both ranks. hf also probes why the hooks are suspended.
+    cb runs under the model's attention (dense mask) and under dsrl's packed attention."""
     out = tmp_path / "report.json"
     probe = ["--hooks_probe"] if backend == "hf" else []
-    launch(["tests/workers/rollout_worker.py", "--out", str(out), "--backend", backend, *probe], nprocs=2,
+    launch(["tests/workers/rollout_worker.py", "--out", str(out), "--backend", backend, "--cb_attention",
+            cb_attention, *probe], nprocs=2,
            timeout=240, env={"PYTHONPATH": str(REPO)})
     reports = json.loads(out.read_text())
     assert [r["rank"] for r in reports] == [0, 1]

@@ -25,6 +25,7 @@ from dsrl.rollout.auto import (
 )
 from dsrl.rollout.cb import DENSE_MASK_BUDGET_BYTES, ContinuousBatchingBackend, cache_geometry
 from dsrl.rollout.hf import HFRolloutBackend
+from dsrl.rollout.varlen_attention import VARLEN_ATTENTION
 
 PAD, BOS, EOS = 0, 1, 2
 TOK = types.SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
@@ -187,17 +188,22 @@ def test_cache_geometry_bounds():
 
 def test_make_backend_cb_and_auto():
     """auto: cb with flash attention; on the CPU cb, except hf for a model under 1 M parameters at more
-    than 256 concurrent sequences; hf for sdpa/eager on an accelerator. Chosen per call with
+    than 256 concurrent sequences when cb would attend through the dense mask (rollout.cb_attention =
+    "model"; its default packs them there); hf for sdpa/eager on an accelerator. Chosen per call with
     C = min(prompts, generation_batch_size) * G."""
     model = tiny()
     assert isinstance(make_backend(RolloutConfig(backend="cb"), model, TOK), ContinuousBatchingBackend)
     cfg = rollout(backend="auto", generation_batch_size=16)
     auto = make_backend(cfg, model, TOK)
     assert isinstance(auto, AutoRolloutBackend) and auto.num_params < CPU_SMALL_MODEL_PARAMETERS
-    assert auto.choose(40, 16) is auto.cb and auto.choose(40, 17) is auto.hf and auto.choose(0, 8) is auto.cb
+    assert auto.choose(40, 16) is auto.cb and auto.choose(40, 17) is auto.cb and auto.choose(0, 8) is auto.cb
+    dense = make_backend(rollout(backend="auto", generation_batch_size=16, cb_attention="model"), model, TOK)
+    assert dense.choose(40, 16) is dense.cb and dense.choose(40, 17) is dense.hf
     big, small, limit = CPU_SMALL_MODEL_PARAMETERS, CPU_SMALL_MODEL_PARAMETERS - 1, CPU_SMALL_MODEL_MAX_CB_CONCURRENCY
     assert auto_backend_name("cpu", "sdpa", small, limit) == "cb"
     assert auto_backend_name("cpu", "eager", small, limit + 1) == "hf"
+    assert auto_backend_name("cpu", "eager", small, limit + 1, cb_attention=VARLEN_ATTENTION) == "cb"
+    assert auto_backend_name("cuda", "sdpa", big, 512, cb_attention=VARLEN_ATTENTION) == "hf"  # not measured
     assert auto_backend_name("cpu", "sdpa", big, 4096) == "cb"
     assert auto_backend_name("cuda", "flash_attention_2", small, 4096) == "cb"
     assert auto_backend_name("cuda", "sdpa", big, 8) == "hf"

@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--arch", default="qwen2")
     parser.add_argument("--backend", default="hf", choices=["hf", "cb"])
+    parser.add_argument("--cb_attention", default="auto", choices=["auto", "model", "varlen"])
     parser.add_argument("--hooks_probe", action="store_true")
     parser.add_argument("--keep_zero3_hooks", action="store_true")
     parser.add_argument("--local_rank", type=int, default=0)
@@ -110,7 +111,8 @@ def main() -> None:
     tok = types.SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
 
     n_prompts = max(0, 3 - 2 * rank)
-    rollout = RolloutConfig(max_new_tokens=max(2, 12 - 7 * rank), generation_batch_size=2)
+    rollout = RolloutConfig(max_new_tokens=max(2, 12 - 7 * rank), generation_batch_size=2,
+                            cb_attention=args.cb_attention)
     prompts = [[BOS] + [3 + (5 * rank + 3 * i + j) % (VOCAB - 3) for j in range(1 + 2 * i)] for i in range(n_prompts)]
     rounds = [(prompts, 3, 11 + rank), (prompts[:1] if rank < world - 1 else [], 2, 5)]
 
