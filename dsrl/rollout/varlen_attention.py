@@ -18,7 +18,8 @@ one attention implementation, :data:`VARLEN_ATTENTION`, with transformers' ``Att
   the paged-decode kernels; every step goes through the index-based cache update, then here);
 - on CUDA in fp16/bf16 it calls ``torch.ops.aten._flash_attention_forward`` on the packed tensors: causal,
   aligned bottom-right (each sequence's queries are its last ``q`` positions of its ``k`` keys), grouped
-  query heads read natively, capturable in a CUDA graph (no host synchronisation);
+  query heads read natively, sliding windows as transformers defines them, capturable in a CUDA graph
+  (no host synchronisation);
 - elsewhere (CPU, fp32) it runs the same arithmetic as ``scaled_dot_product_attention`` on a padded
   ``[sequences, max q, max k]`` batch: work proportional to the sum over sequences of q·k instead of
   (Σq)·(Σk). It is the reference the CUDA path is tested against.
@@ -29,6 +30,7 @@ the duration of a continuous-batching call (:mod:`dsrl.rollout.cb`), never for t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ VARLEN_ATTENTION = "dsrl_flash_varlen"
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
+@functools.cache
 def cuda_flash_available() -> bool:
     """Whether PyTorch's own variable-length flash kernel is there (CUDA build, a GPU of compute
     capability >= 8.0)."""
@@ -46,17 +49,28 @@ def cuda_flash_available() -> bool:
     return torch.cuda.get_device_capability()[0] >= 8
 
 
-def uses_flash_kernel(query: torch.Tensor) -> bool:
-    """Whether :func:`varlen_attention_forward` runs this query through PyTorch's flash kernel."""
-    return query.is_cuda and query.dtype in _FLASH_DTYPES and cuda_flash_available()
+@functools.cache
+def flash_kernel_has_window() -> bool:
+    """Whether this torch's flash op takes a sliding window (``window_size_left``)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and any(a.name == "window_size_left" for a in op.default._schema.arguments)
+
+
+def uses_flash_kernel(query: torch.Tensor, sliding_window: int | None = None) -> bool:
+    """Whether :func:`varlen_attention_forward` runs this query through PyTorch's flash kernel (else the
+    padded reference: CPU, fp32, or a sliding window this torch's kernel cannot take)."""
+    if not (query.is_cuda and query.dtype in _FLASH_DTYPES and cuda_flash_available()):
+        return False
+    return sliding_window is None or flash_kernel_has_window()
 
 
 def _padded_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                      max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
+                      max_q: int, max_k: int, scale: float | None, sliding_window: int | None = None) -> torch.Tensor:
     """Packed causal attention through ``scaled_dot_product_attention`` on a padded batch.
 
     ``q``: [Tq, H, D], ``k``/``v``: [Tk, Hkv, D]; sequence i owns rows ``cu_q[i]:cu_q[i+1]`` of ``q`` and
-    ``cu_k[i]:cu_k[i+1]`` of ``k``/``v``; its queries are the last positions of its keys. Returns [Tq, H, D]
+    ``cu_k[i]:cu_k[i+1]`` of ``k``/``v``; its queries are the last positions of its keys; with a
+    ``sliding_window`` W a query at position p sees keys p - W < j <= p (transformers' convention). Returns [Tq, H, D]
     (rows past ``cu_q[-1]``, padding, are zero). Static shapes and no host synchronisation, so a CUDA
     graph can capture it.
     """
@@ -69,6 +83,8 @@ def _padded_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     # query i of a sequence sits at key position (len_k - len_q + i): causal, aligned bottom-right
     last_key = (len_k - len_q)[:, None, None] + ar_q[None, :, None]  # [n, max_q, 1]
     mask = (ar_k[None, None, :] <= last_key) & (ar_k[None, None, :] < len_k[:, None, None])  # [n, max_q, max_k]
+    if sliding_window is not None:
+        mask &= ar_k[None, None, :] > last_key - sliding_window
     mask |= ~valid_q[:, :, None] & (ar_k[None, None, :] == 0)  # padded query rows see one key: no NaN rows
     out = F.scaled_dot_product_attention(
         q[idx_q].transpose(1, 2), k[idx_k].transpose(1, 2), v[idx_k].transpose(1, 2),
@@ -83,11 +99,13 @@ def _padded_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
 
 
 def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                 max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
+                 max_q: int, max_k: int, scale: float | None, sliding_window: int | None = None) -> torch.Tensor:
     """PyTorch's variable-length flash attention, causal; same layout and result as :func:`_padded_reference`
     (rows past ``cu_q[-1]`` are left as the kernel writes them: continuous batching discards them)."""
+    window = {} if sliding_window is None else {"window_size_left": sliding_window - 1, "window_size_right": 0}
     return torch.ops.aten._flash_attention_forward(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+        **window,
     )[0]
 
 
@@ -97,22 +115,21 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              cu_seq_lens_k: torch.Tensor | None = None, max_length_q: int | None = None,
                              max_length_k: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``query`` [1, H, Tq, D], ``key``/``value`` [1, Hkv, Tk, D]
-    packed; returns ([1, Tq, H, D], None). Causal within each sequence, never across sequences."""
+    packed; returns ([1, Tq, H, D], None). Causal within each sequence (and within ``sliding_window``),
+    never across sequences."""
     if cu_seq_lens_q is None or cu_seq_lens_k is None or max_length_q is None or max_length_k is None:
         raise RuntimeError(f"attn_implementation {VARLEN_ATTENTION!r} only runs packed sequences (continuous "
                            "batching); it is not meant for padded forwards")
-    if sliding_window is not None:
-        raise NotImplementedError(f"{VARLEN_ATTENTION!r} does not implement sliding-window attention")
     if dropout:
         raise NotImplementedError(f"{VARLEN_ATTENTION!r} is for generation: dropout must be 0")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects a batch of 1, got query of shape {tuple(query.shape)}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
     cu_q, cu_k = cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32)
-    if uses_flash_kernel(q):
-        out = flash_kernel(q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k), scaling)
+    if uses_flash_kernel(q, sliding_window):
+        out = flash_kernel(q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k), scaling, sliding_window)
     else:
-        out = _padded_reference(q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k), scaling)
+        out = _padded_reference(q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k), scaling, sliding_window)
     return out.unsqueeze(0), None
 
 

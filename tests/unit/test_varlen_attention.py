@@ -40,8 +40,9 @@ def packed_case(q_lens: list[int], k_lens: list[int], heads: int, kv_heads: int,
     return q, k, v, kwargs
 
 
-def per_sequence_reference(q, k, v, q_lens, k_lens, scale) -> torch.Tensor:
-    """Causal attention of each sequence on its own, float64: query i attends keys 0..(k_len - q_len + i)."""
+def per_sequence_reference(q, k, v, q_lens, k_lens, scale, window=None) -> torch.Tensor:
+    """Causal attention of each sequence on its own, float64: query i attends keys 0..(k_len - q_len + i),
+    and with a sliding window W only the last W of those."""
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.zeros(q.shape[2], heads, v.shape[-1], dtype=torch.float64)
     oq = ok = 0
@@ -50,7 +51,10 @@ def per_sequence_reference(q, k, v, q_lens, k_lens, scale) -> torch.Tensor:
         ks = k[0, :, ok:ok + lk].double().cpu().repeat_interleave(heads // kv_heads, 0)
         vs = v[0, :, ok:ok + lk].double().cpu().repeat_interleave(heads // kv_heads, 0)
         scores = qs @ ks.transpose(-1, -2) * scale
-        allowed = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+        pos = (lk - lq + torch.arange(lq))[:, None]
+        allowed = torch.arange(lk)[None, :] <= pos
+        if window is not None:
+            allowed &= torch.arange(lk)[None, :] > pos - window
         out[oq:oq + lq] = (scores.masked_fill(~allowed, -math.inf).softmax(-1) @ vs).transpose(0, 1)
         oq, ok = oq + lq, ok + lk
     return out
@@ -63,12 +67,13 @@ CASES = [  # (q lengths, k lengths, heads, kv heads): decode, prefill, chunked p
 ]
 
 
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("q_lens,k_lens,heads,kv_heads", CASES)
-def test_padded_reference_is_causal_attention_per_sequence(q_lens, k_lens, heads, kv_heads):
+def test_padded_reference_is_causal_attention_per_sequence(q_lens, k_lens, heads, kv_heads, window):
     q, k, v, kw = packed_case(q_lens, k_lens, heads, kv_heads, 16, pad_rows=3, dtype=torch.float32)
     scale = 16 ** -0.5
-    out, _ = varlen_attention_forward(None, q, k, v, None, scaling=scale, **kw)
-    expect = per_sequence_reference(q, k, v, q_lens, k_lens, scale)
+    out, _ = varlen_attention_forward(None, q, k, v, None, scaling=scale, sliding_window=window, **kw)
+    expect = per_sequence_reference(q, k, v, q_lens, k_lens, scale, window)
     assert out.shape == (1, q.shape[2], heads, 16)
     err = (out[0].double() - expect).norm() / expect.norm()
     assert err < 1e-6, err
@@ -77,6 +82,9 @@ def test_padded_reference_is_causal_attention_per_sequence(q_lens, k_lens, heads
     shifted = per_sequence_reference(q, k, v, q_lens, [lq for lq in q_lens], scale) if q_lens != k_lens else None
     if shifted is not None:
         assert (out[0].double() - shifted).norm() / shifted.norm() > 1e-2
+    if window is not None:  # the window matters in these cases
+        full = per_sequence_reference(q, k, v, q_lens, k_lens, scale)
+        assert (out[0].double() - full).norm() / full.norm() > 1e-2
 
 
 def test_refuses_padded_forwards():
@@ -115,11 +123,15 @@ def test_setting_resolution_and_model_attention_restored():
     assert model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_greedy_completions_equal_generate(arch):
+SLIDING = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}  # layer 1: a 3-token window
+
+
+@pytest.mark.parametrize("arch,extra", [("qwen2", {}), ("llama", {}), ("qwen2", SLIDING)])
+def test_greedy_completions_equal_generate(arch, extra):
     """As tests/unit/test_rollout_cb.py, under the packed attention: tokens and finished flags equal the
-    hf backend's, log-probs to 1e-5, with refills (C = 6 < 15 requests)."""
-    model = tiny(arch, tiny={"tie_word_embeddings": False})
+    hf backend's, log-probs to 1e-5, with refills (C = 6 < 15 requests); also with a sliding-window layer
+    (the window changes these completions: checked)."""
+    model = tiny(arch, tiny={"tie_word_embeddings": False, **extra})
     with torch.no_grad():
         model.lm_head.weight[EOS] *= 8.0
     cfg = rollout(temperature=0.0, max_new_tokens=10, generation_batch_size=2, cb_attention="varlen")
@@ -127,17 +139,24 @@ def test_greedy_completions_equal_generate(arch):
     got = ContinuousBatchingBackend(model, TOK, cfg).generate(PROMPTS, 3, seed=5, return_logprobs=True)
     assert as_tuples(got) == as_tuples(expect)
     assert {c.finished for c in got} == {True, False}
+    if extra:
+        assert model.config.layer_types == ["full_attention", "sliding_attention"]
+        windowless = tiny(arch, tiny={"tie_word_embeddings": False})
+        with torch.no_grad():
+            windowless.lm_head.weight[EOS] *= 8.0
+        assert as_tuples(HFRolloutBackend(windowless, TOK, cfg).generate(PROMPTS, 3, seed=0)) != as_tuples(expect)
     for a, b in zip(got, expect):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 @CUDA_FLASH
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("q_lens,k_lens,heads,kv_heads", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_flash_path_equals_the_reference(q_lens, k_lens, heads, kv_heads, dtype):
+def test_cuda_flash_path_equals_the_reference(q_lens, k_lens, heads, kv_heads, dtype, window):
     q, k, v, kw = packed_case(q_lens, k_lens, heads, kv_heads, 64, pad_rows=0, dtype=dtype, device="cuda")
-    out, _ = varlen_attention_forward(None, q, k, v, None, scaling=0.125, **kw)
-    expect = per_sequence_reference(q, k, v, q_lens, k_lens, 0.125)
+    out, _ = varlen_attention_forward(None, q, k, v, None, scaling=0.125, sliding_window=window, **kw)
+    expect = per_sequence_reference(q, k, v, q_lens, k_lens, 0.125, window)
     err = (out[0].double().cpu() - expect).norm() / expect.norm()
     assert err < 1e-2, err  # bf16/fp16 inputs and output
 
@@ -163,7 +182,7 @@ def test_flash_self_check_catches_a_misaligned_kernel(monkeypatch):
     (a real difference between flash-attn versions) is refused with the fix named; the right one passes."""
     import dsrl.rollout.varlen_attention as va
 
-    monkeypatch.setattr(va, "uses_flash_kernel", lambda query: True)
+    monkeypatch.setattr(va, "uses_flash_kernel", lambda query, sliding_window=None: True)
     monkeypatch.setattr(va, "_CHECKED", set())
 
     def top_left(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # query i sees keys 0..i of its sequence
