@@ -1,6 +1,8 @@
 """Old/ref log-probs and the entropy metric from a micro-batch's logits: dsrl's chunked, no-autograd
 path (the log-softmax over row chunks, dsrl.loss) vs the previous whole-tensor float32
-log-softmax, on the same bf16 logits of a real vocabulary (Qwen2's 151,936).
+log-softmax, on the same bf16 logits of a real vocabulary (Qwen2's 151,936); and the training
+step's log-probs (forward + backward to the logits): dsrl's chunked autograd function (softmax
+recomputed per chunk in the backward) vs autograd through the whole-tensor float32 log-softmax.
 
 Peak extra memory above the logits themselves (CUDA: max_memory_allocated; CPU: peak RSS growth of a
 fresh process per method) and the median time; prints the new/old ratios.
@@ -50,7 +52,7 @@ def new_entropy(logits, targets):
 
 
 METHODS = {"old log-probs": old_logprobs, "new log-probs": new_logprobs, "old entropy": old_entropy,
-           "new entropy": new_entropy}
+           "new entropy": new_entropy, "old train log-probs": old_logprobs, "new train log-probs": new_logprobs}
 
 
 def one(method: str, rows: int, seq: int, device: str, repeats: int) -> dict:
@@ -70,11 +72,18 @@ def one(method: str, rows: int, seq: int, device: str, repeats: int) -> dict:
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     times = []
-    with torch.no_grad():
+    train = "train" in method
+    if train:  # the logits' gradient (same size as the logits, in both methods) is allocated up front
+        logits.requires_grad_(True)
+        logits.grad = torch.zeros_like(logits)
+        weights = torch.randn(rows, seq, generator=g).to(device)
+    with torch.set_grad_enabled(train):
         for _ in range(repeats):
             sync()
             t0 = time.perf_counter()
             out = fn(logits, targets)
+            if train:
+                (out * weights).sum().backward()
             sync()
             times.append(time.perf_counter() - t0)
             del out
@@ -103,15 +112,17 @@ def main() -> None:
         res[method] = json.loads(out.stdout.strip().splitlines()[-1])
     logits_mib = a.rows * a.seq * VOCAB * 2 / 2**20
     rows = []
-    for what in ("log-probs", "entropy"):
+    for what in ("log-probs", "entropy", "train log-probs"):
         old, new = res[f"old {what}"], res[f"new {what}"]
         rows.append([what, f"{old['peak_mib']:.0f}", f"{new['peak_mib']:.0f}",
                      f"{new['peak_mib'] / old['peak_mib']:.2f}", f"{old['s']:.3f}", f"{new['s']:.3f}",
                      f"{new['s'] / old['s']:.2f}"])
     body = (f"bf16 logits [{a.rows}, {a.seq}, {VOCAB}] ({logits_mib:.0f} MiB) on {a.device}; log-probs of the "
-            "targets (the old/ref log-prob pass) and the entropy (the metric), each alone, no autograd. "
-            "old = float32 log-softmax of the whole tensor; new = "
-            "dsrl.loss (the same log-softmax over row chunks of <= 256 MiB float32).\n\n"
+            "targets (the old/ref log-prob pass) and the entropy (the metric), each alone, no autograd; train "
+            "log-probs = the same with autograd, forward + backward into a preallocated logits gradient. "
+            "old = float32 log-softmax of the whole tensor (autograd through it for train); new = "
+            "dsrl.loss (the same log-softmax over row chunks of <= 256 MiB float32; for train, a custom "
+            "autograd function that recomputes each chunk's softmax in the backward).\n\n"
             + table(["quantity", "old peak extra MiB", "new", "new/old", "old median s", "new", "new/old"], rows))
     report("Log-probs and entropy without autograd (bench/logprobs.py)", body, a.no_record)
 

@@ -235,16 +235,44 @@ def _target_logprob(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+class _ChunkedTargetLogprob(torch.autograd.Function):
+    """log pi(target) with autograd, never holding a float32 ``[b, t, V]``: the forward runs the no-autograd
+    path's per-chunk log-softmax (so its values are those of :func:`_per_row_chunked`, bit for bit) and
+    saves only the logits it was given; the backward recomputes each chunk's softmax and writes
+    d logp / d logits = (onehot(target) - softmax(x / T)) / T, chunk by chunk, in the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature = temperature
+        return _per_row_chunked(logits, lambda x, t: _target_logprob(_scaled(x, temperature), t), targets)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, targets = ctx.saved_tensors
+        vocab, temperature = logits.shape[-1], ctx.temperature
+        flat, flat_t, flat_g = logits.reshape(-1, vocab), targets.reshape(-1), grad_out.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab))
+        for i in range(0, flat.shape[0], step):
+            g = flat_g[i:i + step, None]
+            d = torch.softmax(_scaled(flat[i:i + step], temperature), dim=-1).mul_(-g)
+            d.scatter_add_(-1, flat_t[i:i + step, None], g)
+            grad[i:i + step] = d.div_(temperature) if temperature != 1.0 else d
+        return grad.reshape(logits.shape), None, None
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(target_t | prefix) for every position, ``[b, t]``, in float32 (a log-softmax per row).
 
-    With autograd the whole tensor is upcast at once (its backward keeps a float32 ``[b, t, V]``
-    anyway); without (old and reference log-probs) the rows go through in chunks of
-    ``LOGIT_CHUNK_BYTES``, so no float32 copy of all the logits exists. Both paths compute the same
-    per-row operations (tests/unit/test_logprob_chunks.py: bitwise equal on CPU).
+    The rows go through in chunks of ``LOGIT_CHUNK_BYTES`` of float32, so no float32 copy of all the
+    logits exists, with autograd too (:class:`_ChunkedTargetLogprob`: the gradient is recomputed per
+    chunk instead of being kept as a float32 ``[b, t, V]`` log-softmax). The values with and without
+    autograd are the same per-row operations, bit for bit (tests/unit/test_logprob_chunks.py), so the
+    first step's importance ratios are exactly 1.
     """
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _target_logprob(_scaled(logits, temperature), targets)
+        return _ChunkedTargetLogprob.apply(logits, targets, temperature)
     return _per_row_chunked(logits, lambda x, t: _target_logprob(_scaled(x, temperature), t), targets)
 
 

@@ -46,3 +46,32 @@ def test_the_gradient_is_the_log_softmax_gradient(batch):
     y = logits.double().requires_grad_(True)
     torch.log_softmax(y, -1).gather(-1, targets.unsqueeze(-1)).sum().backward()
     assert torch.allclose(x.grad.double(), y.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_bytes", [4 * 50, 4 * 50 * 5, 1 << 28])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_backward_equals_the_float64_gradient(batch, monkeypatch, temperature, chunk_bytes, dtype):
+    """The autograd path recomputes the softmax per chunk in its backward: its gradient (any upstream
+    weights, a temperature, uneven chunks) equals float64 autograd through log_softmax, in the logits'
+    dtype; through a module the parameters get the same gradient as through the plain formula."""
+    logits, targets = batch
+    monkeypatch.setattr(loss, "LOGIT_CHUNK_BYTES", chunk_bytes)
+    weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(1))
+    x = logits.detach().to(dtype).clone().requires_grad_(True)
+    (loss.token_logprobs(x, targets, temperature) * weights).sum().backward()
+    y = logits.double().requires_grad_(True)
+    ref = torch.log_softmax(y / temperature, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (ref * weights.double()).sum().backward()
+    assert x.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (x.grad.double() - y.grad).norm() / y.grad.norm() < tol
+
+    head = torch.nn.Linear(8, 50).double()
+    h = torch.randn(3, 7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    (loss.token_logprobs(head(h), targets, temperature) * weights).sum().backward()
+    got = head.weight.grad.clone()
+    head.weight.grad = None
+    out = torch.log_softmax(head(h) / temperature, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (out * weights.double()).sum().backward()
+    assert (got - head.weight.grad).norm() / head.weight.grad.norm() < 1e-6  # token_logprobs computes in fp32
