@@ -55,12 +55,22 @@ def launch(args: list[str], nprocs: int, timeout: float = 600, env: dict | None 
     if check and proc.returncode != 0 and _native_abort(proc) and port is None:
         warnings.warn(f"retrying after a native abort of {' '.join(cmd)}:\n{proc.stdout[-3000:]}\n"
                       f"{proc.stderr[-3000:]}", stacklevel=2)
-        proc, cmd = _launch_once(args, nprocs, timeout, env, port, sweep_shm)
+        proc, cmd = _launch_once(_as_a_rerun(args), nprocs, timeout, env, port, sweep_shm)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def _as_a_rerun(args: list[str]) -> list[str]:
+    """The arguments that run a job again from scratch. A training job that aborted may already have
+    written its output directory, and dsrl refuses a fresh start into a directory holding a run (seen
+    in CI: an abort after the last rollout, then the retry refused): a fresh job that names its output
+    directory gets ``--dsrl.run.overwrite true``. A job that resumes is left as it is."""
+    if "--dsrl.run.output_dir" in args and "--resume" not in args and "--overwrite" not in args:
+        return [*args, "--dsrl.run.overwrite", "true"]
+    return args
 
 
 def _native_abort(proc: subprocess.CompletedProcess) -> bool:
