@@ -291,7 +291,8 @@ class RolloutConfig(Section):
     cb_attention: Literal["auto", "model", "varlen"] = setting(
         "auto", "attention inside continuous batching (cb): model (the model's attn_implementation; sdpa/eager "
         "then attend through a dense mask), varlen (dsrl's packed attention: PyTorch's own flash kernel on a GPU "
-        "in bf16/fp16), auto (varlen where that was measured faster, docs/rollout.md)")
+        "in bf16/fp16), auto (varlen on the CPU for models >= 1 M parameters or >= 128 concurrent sequences, "
+        "as measured; on a GPU in bf16/fp16, not measured there: docs/rollout.md)")
     max_new_tokens: int = setting(16, "completion length limit", "tokens", gt=0)
     temperature: float = setting(1.0, "sampling temperature", gt=0)
     top_p: float = setting(1.0, "nucleus sampling: keep the smallest token set whose probability reaches top_p",
