@@ -85,20 +85,9 @@ def test_exact_resume_after_clean_stop(reference, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_kill_during_checkpoint_write_then_resume(reference, tmp_path):
-    ref_out, _ = reference
-    proc = _train(tmp_path, env={"DSRL_FAULT_KILL_DURING_SAVE": "rollout3"}, check=False)
-    assert proc.returncode != 0
-    ckpt = tmp_path / "checkpoints"
-    assert (ckpt / "latest").read_text().strip() == "rollout2"  # the partial rollout3 never became latest
-    assert not (ckpt / "rollout3" / "COMPLETE").exists()
-    _train(tmp_path, "--resume", "auto")
-    # metrics.jsonl drops the killed attempt's rows past the checkpoint: it reads as one run, equal to the reference.
-    got = [(s["optimizer_step"], s["loss"]) for s in _steps(tmp_path)]
-    want = [(s["optimizer_step"], s["loss"]) for s in _steps(ref_out)]
-    assert got == want
-    a, b = _final_weights(tmp_path), _final_weights(ref_out)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+# Killing rank 0 while it writes a checkpoint, then resuming bitwise: tests/distributed/test_ppo.py
+# (test_ppo_kill_mid_checkpoint_then_resume_is_bitwise) does it with the policy and a critic, a superset of the
+# GRPO case that ran here (the same commit code, plus a companion engine).
 
 
 def test_zero3_kl_reference_is_partitioned_and_starts_at_zero(tmp_path):
