@@ -217,6 +217,11 @@ def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return x / temperature if temperature != 1.0 else x
 
 
+def _rows_per_chunk(vocab: int) -> int:
+    """Rows of ``vocab`` logits whose float32 copy fits in ``LOGIT_CHUNK_BYTES`` (at least one)."""
+    return max(1, LOGIT_CHUNK_BYTES // (4 * vocab))
+
+
 def _per_row_chunked(logits: torch.Tensor, fn, *extra: torch.Tensor) -> torch.Tensor:
     """``fn(logit_rows, *extra_rows) -> [rows]`` over row chunks of ``logits`` ``[..., V]``: a float32
     ``[...]`` result without ever holding a float32 copy of all of ``logits`` (no autograd)."""
@@ -224,7 +229,7 @@ def _per_row_chunked(logits: torch.Tensor, fn, *extra: torch.Tensor) -> torch.Te
     flat = logits.reshape(-1, vocab)
     flat_extra = [e.reshape(-1) for e in extra]
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab))
+    step = _rows_per_chunk(vocab)
     with torch.no_grad():
         for i in range(0, flat.shape[0], step):
             out[i:i + step] = fn(flat[i:i + step], *(e[i:i + step] for e in flat_extra))
@@ -233,6 +238,12 @@ def _per_row_chunked(logits: torch.Tensor, fn, *extra: torch.Tensor) -> torch.Te
 
 def _target_logprob(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _chunked_target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(target) per row chunk, no autograd: the one computation behind both paths of
+    :func:`token_logprobs` (so their values agree bit for bit)."""
+    return _per_row_chunked(logits, lambda x, t: _target_logprob(_scaled(x, temperature), t), targets)
 
 
 class _ChunkedTargetLogprob(torch.autograd.Function):
@@ -245,7 +256,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         ctx.save_for_backward(logits, targets)
         ctx.temperature = temperature
-        return _per_row_chunked(logits, lambda x, t: _target_logprob(_scaled(x, temperature), t), targets)
+        return _chunked_target_logprobs(logits, targets, temperature)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -253,7 +264,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         vocab, temperature = logits.shape[-1], ctx.temperature
         flat, flat_t, flat_g = logits.reshape(-1, vocab), targets.reshape(-1), grad_out.reshape(-1).float()
         grad = torch.empty_like(flat)
-        step = max(1, LOGIT_CHUNK_BYTES // (4 * vocab))
+        step = _rows_per_chunk(vocab)
         for i in range(0, flat.shape[0], step):
             g = flat_g[i:i + step, None]
             d = torch.softmax(_scaled(flat[i:i + step], temperature), dim=-1).mul_(-g)
@@ -273,7 +284,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """
     if torch.is_grad_enabled() and logits.requires_grad:
         return _ChunkedTargetLogprob.apply(logits, targets, temperature)
-    return _per_row_chunked(logits, lambda x, t: _target_logprob(_scaled(x, temperature), t), targets)
+    return _chunked_target_logprobs(logits, targets, temperature)
 
 
 def _entropy(x: torch.Tensor) -> torch.Tensor:
