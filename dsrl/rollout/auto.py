@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from dsrl.rollout.base import Completion, RolloutBackend
-from dsrl.rollout.cb import ContinuousBatchingBackend, is_flash, num_parameters
+from dsrl.rollout.cb import ContinuousBatchingBackend, concurrency, is_flash, num_parameters
 from dsrl.rollout.hf import HFRolloutBackend
 
 CPU_SMALL_MODEL_PARAMETERS = 1_000_000
@@ -74,11 +74,11 @@ class AutoRolloutBackend(RolloutBackend):
 
     def choose(self, num_prompts: int, samples_per_prompt: int) -> RolloutBackend:
         """The backend a call with this many prompts and samples per prompt uses."""
-        concurrency = max(1, min(num_prompts, self.cfg.generation_batch_size)) * samples_per_prompt
+        c = concurrency(num_prompts, samples_per_prompt, self.cfg.generation_batch_size)
         device: torch.device = self.hf.device
         attn = getattr(getattr(self.hf.module, "config", None), "_attn_implementation", None)
         cb_attn = self.cb.attention(num_prompts, samples_per_prompt) if self.cb is not None else None
-        name = auto_backend_name(device.type, attn, self.num_params, concurrency, cb_attn)
+        name = auto_backend_name(device.type, attn, self.num_params, c, cb_attn)
         return self.cb if name == "cb" and self.cb is not None else self.hf
 
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, **kwargs: Any

@@ -73,6 +73,12 @@ CPU_VARLEN_MIN_PARAMETERS = 1_000_000  # cb_attention "auto" on the CPU: packed 
 CPU_VARLEN_MIN_CONCURRENCY = 128  # ... or from this many concurrent sequences
 
 
+def concurrency(num_prompts: int, samples_per_prompt: int, generation_batch_size: int) -> int:
+    """C: the sequences a call with this many prompts decodes at once (at most ``generation_batch_size``
+    prompts' samples; :func:`cache_geometry`'s bound), at least one prompt's worth."""
+    return max(1, min(num_prompts, generation_batch_size)) * samples_per_prompt
+
+
 def num_parameters(module: torch.nn.Module) -> int:
     """Parameters of the full model (a ZeRO-3 partition knows its full size as ``ds_numel``)."""
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
@@ -99,8 +105,7 @@ def cb_attention_implementation(setting: str, model_attn: str | None, device: to
     if device.type == "cpu":
         big = parameters >= CPU_VARLEN_MIN_PARAMETERS or concurrency >= CPU_VARLEN_MIN_CONCURRENCY
         return VARLEN_ATTENTION if big else model_attn
-    probe = torch.empty(0, device=device, dtype=dtype)
-    return VARLEN_ATTENTION if uses_flash_kernel(probe) else model_attn
+    return VARLEN_ATTENTION if uses_flash_kernel(device, dtype) else model_attn
 
 
 @dataclass(frozen=True)
@@ -192,24 +197,24 @@ class ContinuousBatchingBackend(RolloutBackend):
             raise TypeError(f"{type(self.module).__name__} is not a transformers model with continuous batching; "
                             "use rollout.backend = 'hf'")
 
-    def concurrency(self, num_prompts: int, samples_per_prompt: int) -> int:
-        """C: sequences decoded at once by a call with this many prompts (:func:`cache_geometry`'s bound)."""
-        return max(1, min(num_prompts, self.cfg.generation_batch_size)) * samples_per_prompt
-
     def attention(self, num_prompts: int, samples_per_prompt: int) -> str | None:
         """The attention implementation a call runs under (:func:`cb_attention_implementation`)."""
         if self._num_params is None:
             self._num_params = num_parameters(self.module)
         return cb_attention_implementation(
             getattr(self.cfg, "cb_attention", "auto"), self.module.config._attn_implementation, self._hf.device,
-            next(self.module.parameters()).dtype, self._num_params, self.concurrency(num_prompts, samples_per_prompt))
+            next(self.module.parameters()).dtype, self._num_params,
+            concurrency(num_prompts, samples_per_prompt, self.cfg.generation_batch_size))
 
     def continuous_batching_config(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
-                                   return_logprobs: bool = False) -> Any:
-        """transformers' ``ContinuousBatchingConfig`` of one call (geometry from :func:`cache_geometry`)."""
+                                   return_logprobs: bool = False, attention: str | None = None) -> Any:
+        """transformers' ``ContinuousBatchingConfig`` of one call (geometry from :func:`cache_geometry`) run
+        under ``attention`` (default: :meth:`attention` of the call)."""
         from transformers import ContinuousBatchingConfig
 
-        dense_mask = not is_flash(self.attention(len(prompt_ids), samples_per_prompt))
+        if attention is None:
+            attention = self.attention(len(prompt_ids), samples_per_prompt)
+        dense_mask = not is_flash(attention)
         geometry = cache_geometry(
             [len(p) for p in prompt_ids], samples_per_prompt, self.cfg.max_new_tokens,
             self.cfg.generation_batch_size, dense_mask=dense_mask,
@@ -266,8 +271,8 @@ class ContinuousBatchingBackend(RolloutBackend):
 
     def _run(self, prompt_ids: list[list[int]], g: int, seed: int, return_logprobs: bool) -> dict[str, Any]:
         """Every request through one manager: request id ``"<prompt>/<sample>"`` -> GenerationOutput."""
-        cb_cfg = self.continuous_batching_config(prompt_ids, g, seed, return_logprobs)
         attn, run_attn = self.module.config._attn_implementation, self.attention(len(prompt_ids), g)
+        cb_cfg = self.continuous_batching_config(prompt_ids, g, seed, return_logprobs, attention=run_attn)
         pin = self.module.register_forward_pre_hook(_same_threads_hook(torch.get_num_threads()))
         manager, started, done = None, False, False
         try:

@@ -56,10 +56,10 @@ def flash_kernel_has_window() -> bool:
     return op is not None and any(a.name == "window_size_left" for a in op.default._schema.arguments)
 
 
-def uses_flash_kernel(query: torch.Tensor, sliding_window: int | None = None) -> bool:
-    """Whether :func:`varlen_attention_forward` runs this query through PyTorch's flash kernel (else the
-    padded reference: CPU, fp32, or a sliding window this torch's kernel cannot take)."""
-    if not (query.is_cuda and query.dtype in _FLASH_DTYPES and cuda_flash_available()):
+def uses_flash_kernel(device: torch.device, dtype: torch.dtype, sliding_window: int | None = None) -> bool:
+    """Whether :func:`varlen_attention_forward` runs tensors of this device and dtype through PyTorch's flash
+    kernel (else the padded reference: CPU, fp32, or a sliding window this torch's kernel cannot take)."""
+    if not (device.type == "cuda" and dtype in _FLASH_DTYPES and cuda_flash_available()):
         return False
     return sliding_window is None or flash_kernel_has_window()
 
@@ -126,7 +126,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError(f"packed attention expects a batch of 1, got query of shape {tuple(query.shape)}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
     cu_q, cu_k = cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32)
-    if uses_flash_kernel(q, sliding_window):
+    if uses_flash_kernel(q.device, q.dtype, sliding_window):
         out = flash_kernel(q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k), scaling, sliding_window)
     else:
         out = _padded_reference(q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k), scaling, sliding_window)
@@ -142,9 +142,8 @@ def check_flash_kernel(device: torch.device, dtype: torch.dtype) -> None:
     with every layout continuous batching produces (decode rows, a chunked prefill whose queries are the tail
     of its keys, grouped query heads). A kernel that aligned the causal mask differently, or mixed sequences,
     would be off by far more than rounding. Raises RuntimeError naming the fix; a few milliseconds."""
-    probe = torch.empty(0, device=device, dtype=dtype)
     key = (str(device), dtype)
-    if key in _CHECKED or not uses_flash_kernel(probe):
+    if key in _CHECKED or not uses_flash_kernel(device, dtype):
         return
     g = torch.Generator().manual_seed(0)
     q_lens, k_lens, heads, kv_heads, dim = [1, 5, 1, 3], [9, 12, 1, 3], 8, 2, 64

@@ -182,7 +182,7 @@ def test_flash_self_check_catches_a_misaligned_kernel(monkeypatch):
     (a real difference between flash-attn versions) is refused with the fix named; the right one passes."""
     import dsrl.rollout.varlen_attention as va
 
-    monkeypatch.setattr(va, "uses_flash_kernel", lambda query, sliding_window=None: True)
+    monkeypatch.setattr(va, "uses_flash_kernel", lambda device, dtype, sliding_window=None: True)
     monkeypatch.setattr(va, "_CHECKED", set())
 
     def top_left(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # query i sees keys 0..i of its sequence
