@@ -24,7 +24,6 @@ from pydantic_core import PydanticUndefined
 
 from dsrl.config_errors import ConfigError, config_error
 from dsrl.names import (
-    ALGORITHM_DEFAULTS,
     ALGORITHM_LOSS_AGG,
     CRITIC_ALGORITHMS,
     DEFAULT_TASK,
@@ -265,13 +264,17 @@ class DataConfig(Section):
             )
         return self
 
+    @property
+    def has_rule_reward(self) -> bool:
+        """Whether a rule reward (``reward_fn`` or the task's) enters the reward with a non-zero weight."""
+        return self.rule_reward_weight != 0 and (self.task is not None or self.reward_fn is not None)
+
     @model_validator(mode="after")
     def _some_reward(self) -> DataConfig:
         """The reward has a non-zero part: `rule_reward_weight` and `reward_model_weight` are not both 0 (or the
         rule weight 0 without a `reward_model`)."""
-        rule = self.rule_reward_weight != 0 and (self.task is not None or self.reward_fn is not None)
         model = self.reward_model is not None and self.reward_model_weight != 0
-        if not (rule or model):
+        if not (self.has_rule_reward or model):
             raise ConfigError(
                 f"{self.PATH}: every reward would be 0 (rule_reward_weight = {self.rule_reward_weight}, reward_model = "
                 f"{self.reward_model!r}, reward_model_weight = {self.reward_model_weight}). Fix: give the rule reward "
@@ -490,11 +493,6 @@ class DsrlConfig(Section):
     def has_critic(self) -> bool:
         """Whether the algorithm trains a value model beside the policy (dsrl.critic)."""
         return self.algorithm.name in CRITIC_ALGORITHMS
-
-    @property
-    def ratio_level(self) -> str:
-        """The resolved importance-ratio level: the configured one, else the algorithm's default."""
-        return self.algorithm.ratio_level or ALGORITHM_DEFAULTS[self.algorithm.name]["ratio_level"]
 
     @property
     def loss_norm_length(self) -> int:

@@ -85,7 +85,6 @@ def collect(root: str, checksums: bool) -> dict[str, dict[str, Any]]:
 
 def write(root: str, files: dict[str, dict[str, Any]], engines: dict[str, dict[str, Any]], tag: str) -> None:
     """Write ``root/MANIFEST.json`` atomically (rank 0)."""
-
     doc = {"format": FORMAT, "tag": tag, "engines": engines, "files": files}
     atomic_write_bytes(os.path.join(root, MANIFEST), json.dumps(doc, indent=1, sort_keys=True).encode())
 

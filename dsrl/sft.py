@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 
-from dsrl.batching import Sample, collate, collate_packed
+from dsrl.batching import Sample
 from dsrl.config import ConfigError
 from dsrl.experience import forward_logits
 from dsrl.loss import token_logprobs
 from dsrl.partition import partition_mini_batch
-from dsrl.replica_data import my_part
 
 
 class SupervisedWarmup:
@@ -73,14 +72,11 @@ class SupervisedWarmup:
     def run(self, on_step: Callable[[int, Any], None]) -> None:
         """Run every warm-up step; ``on_step(step, result)`` after each."""
         t = self.t
-        packed = t.d.model.packing
-        make = collate_packed if packed else collate
         for step in range(t.d.sft.steps):
             samples = self.samples(step)
             per_rank = partition_mini_batch(range(len(samples)), [s.length for s in samples],
-                                            t.plan.data_parallel_size, t.d.batch, packed=packed)
-            micros = [make([samples[i] for i in ids], t.pad_id, t.device) for ids in my_part(t.rl.view, per_rank)
-                      if ids]
+                                            t.plan.data_parallel_size, t.d.batch, packed=t.d.model.packing)
+            micros = t.my_micro_batches(samples, per_rank)
             t0 = time.perf_counter()
             res = t.rl.train_mini_batch(micros, self.loss_fn)
             res["step_s"] = time.perf_counter() - t0

@@ -96,8 +96,7 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(d.model)
         self.prompts = load_prompts(d.data, seed=d.run.seed)
-        rule = d.data.rule_reward_weight != 0 and (d.data.task is not None or d.data.reward_fn is not None)
-        self.reward_fn = load_reward_fn(d.data) if rule else None
+        self.reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
         self.accuracy_fn = load_accuracy_fn(d.data)
         self.encode = encode_prompts
         tok = self.tokenizer
@@ -233,13 +232,11 @@ class Trainer:
                                         seed=seed, shuffle=self.d.batch.shuffle)]
         samples = index.exchange(steps, self.device)
         del index
-        make = collate_packed if packed else collate
         results = []
         self.critic_results = []
         policy_steps = self.rollout_index >= self.plan.critic_warmup_rollouts
         for per_rank in steps:
-            mine = my_part(view, per_rank)
-            micros = [make([samples[i] for i in ids], self.pad_id, self.device) for ids in mine if ids]
+            micros = self.my_micro_batches(samples, per_rank)
             res = critic_res = None
             if policy_steps:
                 t0 = time.perf_counter()
@@ -255,6 +252,13 @@ class Trainer:
             self.calls += 1
             on_step(res, critic_res)
         return results
+
+    def my_micro_batches(self, samples: Any, per_rank: Any) -> list[dict[str, torch.Tensor]]:
+        """This rank's collated micro-batches of one partitioned mini-batch (``samples[i]`` is sample ``i``;
+        padded or packed rows per ``model.packing``), empty micro-batches left out."""
+        make = collate_packed if self.d.model.packing else collate
+        return [make([samples[i] for i in ids], self.pad_id, self.device) for ids in my_part(self.rl.view, per_rank)
+                if ids]
 
     # -- the loop -------------------------------------------------------------------------------
     def _on_step(self, res: dict[str, Any] | None, critic_res: dict[str, Any] | None, bar: Any) -> None:
@@ -379,7 +383,6 @@ class Trainer:
                  if mid_rollout else f"after rollout {self.rollout_index} with a committed checkpoint")
         log.warning("stopped on request (%s) %s; the last committed checkpoint is %s; continue with --resume auto",
                     self.stop.reason, where, os.path.join(self.ckpt_dir, latest) if latest else "none")
-
 
     def _supervised_warmup(self, bar: Any) -> None:
         """The optional dsrl.sft phase (dsrl/sft.py): policy steps on reference answers before rollout 1."""
