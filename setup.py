@@ -28,5 +28,5 @@ setup(
         "plot": ["matplotlib"],
         "test": ["pytest>=8", "ruff", "tensorboard", "megatron-core==0.16.1", "matplotlib"],
     },
-    entry_points={"console_scripts": ["dsrl=dsrl.cli:main"]},
+    entry_points={"console_scripts": ["dsrl=dsrl.cli.main:main"]},
 )

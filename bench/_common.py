@@ -73,7 +73,7 @@ def build_lm(size: str, max_len: int, dtype: Any, seed: int = 0) -> Any:
 PAD, BOS, EOS = 0, 1, 2  # dsrl's tiny tokenizer
 # Shapes of the generation benchmarks (bench/rollout.py, bench/e2e.py): Qwen2 with an untied head.
 SHAPES = {
-    # dsrl's built-in tiny model (dsrl.models.TINY_DEFAULTS) with a 512-token vocabulary
+    # dsrl's built-in tiny model (dsrl.rl.models.TINY_DEFAULTS) with a 512-token vocabulary
     "tiny": {"vocab": 512, "tiny": {}},
     # a scaled-up Qwen2 shape that still decodes 128 sequences on 2 CPU cores in seconds (~17 M parameters)
     "scaled": {"vocab": 8192, "tiny": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
@@ -91,7 +91,7 @@ def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: s
     import torch
 
     from dsrl.config import ModelConfig
-    from dsrl.models import build_model
+    from dsrl.rl.models import build_model
 
     spec = SHAPES[shape]
     vocab = spec["vocab"]
@@ -205,7 +205,7 @@ def init_ranks() -> tuple[int, int, bool, Any]:
     import torch
     import torch.distributed as dist
 
-    from dsrl.engine import ensure_distributed, on_gpu
+    from dsrl.backends.deepspeed.engine import ensure_distributed, on_gpu
 
     ensure_distributed()
     gpu = on_gpu()

@@ -36,10 +36,10 @@ def main() -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from dsrl import checkpoint as ckpt
-    from dsrl.elastic import _universal_loading, convert_to_universal
-    from dsrl.engine import ensure_distributed
-    from dsrl.models import tiny_config
+    from dsrl.backends.deepspeed.engine import ensure_distributed
+    from dsrl.checkpoint import commit as ckpt
+    from dsrl.checkpoint.elastic import _universal_loading, convert_to_universal
+    from dsrl.rl.models import tiny_config
 
     ensure_distributed()
     rank = dist.get_rank()

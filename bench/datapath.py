@@ -11,7 +11,7 @@ log-probs per completion token, an advantage. Every source generates its R/D sam
   all-gather: the data path before issue 11 (:class:`AllGatherRollout`, kept here and nowhere in
       the library): every source's samples are all-gathered to every rank as pickled objects and
       each rank keeps the whole rollout;
-  all-to-all: dsrl's path (``dsrl.replica_data.RolloutIndex``): all-gather the lengths and sizes,
+  all-to-all: dsrl's path (``dsrl.rl.replica_data.RolloutIndex``): all-gather the lengths and sizes,
       partition all E*R/B mini-batches (token budget), move each sample once to the ranks that train
       on it.
 
@@ -55,7 +55,7 @@ TARGET = 0.10
 class AllGatherRollout:
     """The whole rollout on every rank: the sources' samples all-gathered as pickled objects.
 
-    Same interface as :class:`dsrl.replica_data.RolloutIndex` (``gather``, ``lengths``, ``size``,
+    Same interface as :class:`dsrl.rl.replica_data.RolloutIndex` (``gather``, ``lengths``, ``size``,
     ``exchange``), so it can stand in for it in the trainer.
     """
 
@@ -68,7 +68,7 @@ class AllGatherRollout:
     def gather(cls, view: Any, local: list[Any]) -> AllGatherRollout:
         import torch.distributed as dist
 
-        from dsrl.replica_data import is_source
+        from dsrl.rl.replica_data import is_source
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(list(local))
@@ -127,7 +127,7 @@ def synthetic_rollout(rollout: int, max_len: int, seed: int) -> tuple[np.ndarray
 
 def make_samples(indices: range, lengths: np.ndarray, prompts: np.ndarray, seed: int) -> list[Any]:
     """Samples ``indices`` of the synthetic rollout, with the trainer's per-token payload."""
-    from dsrl.batching import Sample
+    from dsrl.rl.batching import Sample
 
     out = []
     for i in indices:
@@ -144,10 +144,10 @@ def rank_main(rank: int, world: int, port: int, path: str, args: Any, out_dir: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch.distributed as dist
 
-    from dsrl.parallel import ParallelView
-    from dsrl.partition import mini_batches, partition_mini_batch
-    from dsrl.replica_data import RolloutIndex, my_part
-    from dsrl.sample_codec import encode_sample
+    from dsrl.core.parallel import ParallelView
+    from dsrl.core.partition import mini_batches, partition_mini_batch
+    from dsrl.rl.replica_data import RolloutIndex, my_part
+    from dsrl.rl.sample_codec import encode_sample
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     view = ParallelView(count_group=None, grad_scale=float(world), data_parallel_size=world, data_parallel_rank=rank)
@@ -271,7 +271,7 @@ def main() -> None:
     per_sample = (f"Measured bytes per sample (least squares over {len(fit_rows)} samples, bytes = a + b * tokens + "
                   f"c * completion tokens): pickled `Sample` a = {fit_p[0]:.0f}, b = {fit_p[1]:.2f}, "
                   f"c = {fit_p[2]:.2f}; "
-                  f"dsrl.sample_codec a = {fit_c[0]:.0f}, b = {fit_c[1]:.2f}, c = {fit_c[2]:.2f}; lengths and sizes "
+                  f"dsrl.rl.sample_codec a = {fit_c[0]:.0f}, b = {fit_c[1]:.2f}, c = {fit_c[2]:.2f}; lengths and sizes "
                   f"metadata m = {m:.1f} bytes per sample of the rollout. Peak RSS growth of the worst rank per token "
                   f"it must hold: all-gather k = {max(per_token['all-gather']):.0f} bytes per token of the rollout, "
                   f"all-to-all k = {max(per_token['all-to-all']):.0f} bytes per token of the union of E R/D shares "

@@ -173,12 +173,12 @@ def bench_model(w: Workload) -> Any:
 
 def run_dsrl(w: Workload) -> list[dict[str, Any]]:
     """dsrl's Trainer on one device (ZeRO-1), its own loop body timed phase by phase."""
-    import dsrl.models
-    from dsrl.trainer import Trainer
+    import dsrl.rl.models
+    from dsrl.rl.trainer import Trainer
 
     # The benchmark's model instead of the built-in tiny one (same weights as the TRL side).
     model = bench_model(w)
-    dsrl.models.build_model = lambda *a, **k: model
+    dsrl.rl.models.build_model = lambda *a, **k: model
     out_dir = tempfile.mkdtemp(prefix="e2e_dsrl_")
     run_file = {
         # ZeRO-1 on one device partitions nothing; unlike ZeRO-0 it accepts bf16 with fp32 gradient accumulation
@@ -243,9 +243,9 @@ def run_trl(w: Workload) -> list[dict[str, Any]]:
     from trl import GRPOConfig, GRPOTrainer
 
     from dsrl.config import DataConfig, ModelConfig
-    from dsrl.data import load_prompts
+    from dsrl.rl.data import load_prompts
+    from dsrl.rl.tokenizer import load_tokenizer
     from dsrl.tasks import get_task
-    from dsrl.tokenizer import load_tokenizer
 
     torch.manual_seed(w.seed)
     tok = load_tokenizer(ModelConfig())

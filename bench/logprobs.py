@@ -1,5 +1,5 @@
 """Old/ref log-probs and the entropy metric from a micro-batch's logits: dsrl's chunked, no-autograd
-path (the log-softmax over row chunks, dsrl.loss) vs the previous whole-tensor float32
+path (the log-softmax over row chunks, dsrl.core.logprobs) vs the previous whole-tensor float32
 log-softmax, on the same bf16 logits of a real vocabulary (Qwen2's 151,936); and the training
 step's log-probs (forward + backward to the logits): dsrl's chunked autograd function (softmax
 recomputed per chunk in the backward) vs autograd through the whole-tensor float32 log-softmax.
@@ -40,13 +40,13 @@ def old_entropy(logits, targets):
 
 
 def new_logprobs(logits, targets):
-    from dsrl.loss import token_logprobs
+    from dsrl.core.logprobs import token_logprobs
 
     return token_logprobs(logits, targets)
 
 
 def new_entropy(logits, targets):
-    from dsrl.loss import token_entropy
+    from dsrl.core.logprobs import token_entropy
 
     return token_entropy(logits)
 
@@ -59,7 +59,7 @@ def one(method: str, rows: int, seq: int, device: str, repeats: int) -> dict:
     """Run in a fresh process: peak extra bytes and median seconds of ``method``."""
     import torch
 
-    import dsrl.loss  # noqa: F401  (imported before the baseline is taken)
+    import dsrl.core.logprobs  # noqa: F401  (imported before the baseline is taken)
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, seq, VOCAB, generator=g, dtype=torch.bfloat16).to(device)  # no float32 transient
@@ -121,7 +121,7 @@ def main() -> None:
             "targets (the old/ref log-prob pass) and the entropy (the metric), each alone, no autograd; train "
             "log-probs = the same with autograd, forward + backward into a preallocated logits gradient. "
             "old = float32 log-softmax of the whole tensor (autograd through it for train); new = "
-            "dsrl.loss (the same log-softmax over row chunks of <= 256 MiB float32; for train, a custom "
+            "dsrl.core.logprobs (the same log-softmax over row chunks of <= 256 MiB float32; for train, a custom "
             "autograd function that recomputes each chunk's softmax in the backward).\n\n"
             + table(["quantity", "old peak extra MiB", "new", "new/old", "old median s", "new", "new/old"], rows))
     report("Log-probs and entropy without autograd (bench/logprobs.py)", body, a.no_record)

@@ -35,7 +35,8 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from dsrl.loss import MODES, GlobalCounts, local_counts, token_weights, weighted_sum  # noqa: E402
+from dsrl.config.names import LOSS_AGG_MODES
+from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighted_sum  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 256, 128, 4, 2, 64
 TOL = {"fp32": 1e-5, "bf16": 3e-2, "cp2": 3e-2}
@@ -81,7 +82,7 @@ def gpt_forward(model: Any, mb: dict) -> torch.Tensor:
 
 
 def ppo_loss(output: torch.Tensor, mb: dict) -> torch.Tensor:
-    from dsrl.loss import clipped_policy_loss
+    from dsrl.algos.losses import clipped_policy_loss
 
     logp = -output.to(torch.float64 if output.dtype == torch.float64 else torch.float32)
     loss, _ = clipped_policy_loss(logp, mb["old_logprobs"].to(logp.dtype), mb["advantages"].to(logp.dtype), 0.2, 0.28)
@@ -117,7 +118,7 @@ def build(kind: str, per_token: bool, te: bool = False) -> tuple[Any, Any, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.utils import get_model_config
 
-    from dsrl.megatron import build_param_scheduler
+    from dsrl.backends.megatron import build_param_scheduler
 
     model = build_model(kind, per_token, te)
     cfg = get_model_config(model)
@@ -175,12 +176,12 @@ def rel_error(got: dict, ref: dict) -> float:
 
 
 def run_single(kind: str, micros: list[dict], results: list[tuple[str, float, float]]) -> None:
-    from dsrl.megatron import MegatronRLStep
+    from dsrl.backends.megatron import MegatronRLStep
 
     for conv in ("per_token", "average"):
         ddp, opt, sched = build(kind, conv == "per_token")
         step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=6, norm_length=SEQ)
-        for mode in MODES:
+        for mode in LOSS_AGG_MODES:
             step.loss_agg = mode
             step.train_step(micros, gpt_forward, ppo_loss)
             err = rel_error(grads(ddp), reference(ddp, micros, mode))
@@ -194,7 +195,7 @@ def run_single(kind: str, micros: list[dict], results: list[tuple[str, float, fl
 def run_cp2(micros: list[dict], results: list[tuple[str, float, float]]) -> None:
     from megatron.core import parallel_state as ps
 
-    from dsrl.megatron import MegatronRLStep
+    from dsrl.backends.megatron import MegatronRLStep
 
     for conv in ("per_token", "average"):
         ps.destroy_model_parallel()
@@ -203,13 +204,13 @@ def run_cp2(micros: list[dict], results: list[tuple[str, float, float]]) -> None
         step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=6, norm_length=SEQ)
         got: dict[str, dict] = {}
         params = {n: p.detach().clone() for n, p in _inner(ddp).named_parameters()}
-        for mode in MODES:
+        for mode in LOSS_AGG_MODES:
             step.loss_agg = mode
             step.train_step(micros, gpt_forward, ppo_loss)  # whole sequences: dsrl cuts them for CP
             got[mode] = grads(ddp)
         ps.destroy_model_parallel()
         ps.initialize_model_parallel()  # CP=1 reference with the same weights on every rank
-        for mode in MODES:
+        for mode in LOSS_AGG_MODES:
             err = rel_error(got[mode], reference(params, micros, mode, te=True))
             results.append((f"cp2/{conv}/{mode}", err, TOL["cp2"]))
             if dist.get_rank() == 0:

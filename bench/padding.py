@@ -9,7 +9,7 @@ T = 2 L token slots, so fixed mode uses m = T // L = 2 sequences):
 
   (a) fixed micro-batches of m sequences padded to the mini-batch's longest sequence;
   (b) fixed micro-batches of m sequences, each padded to its own longest;
-  (c) dsrl token budget T with rank balancing (dsrl.partition.token_budget_micro_batches).
+  (c) dsrl token budget T with rank balancing (dsrl.core.partition.token_budget_micro_batches).
 
 Columns: padded-token fraction, max/mean rank load (token slots), micro-batches per step, and the
 step-cost ratio max-rank-load(a or b) / max-rank-load(c) (the compute-bound speed-up of (c)).
@@ -25,7 +25,7 @@ import time
 import numpy as np
 from _common import report, rl_lengths, table
 
-from dsrl.partition import fixed_micro_batches, partition_stats, token_budget_micro_batches
+from dsrl.core.partition import fixed_micro_batches, partition_stats, token_budget_micro_batches
 
 PAD_TARGET, LOAD_TARGET = 0.03, 1.05
 

@@ -1,4 +1,4 @@
-"""How long dsrl.partition takes to plan one mini-batch (pure CPU, one process).
+"""How long dsrl.core.partition takes to plan one mini-batch (pure CPU, one process).
 
     python bench/planner.py            # 65,536 sequences over 1,024 ranks, plus smaller cases
 
@@ -16,7 +16,7 @@ import time
 import numpy as np
 from _common import report, rl_lengths, table
 
-from dsrl.partition import partition_stats, token_budget_micro_batches
+from dsrl.core.partition import partition_stats, token_budget_micro_batches
 
 TARGET_S = 1.0
 

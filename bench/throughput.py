@@ -10,7 +10,7 @@ token slots per micro-batch:
 
   (a) fixed micro-batches of m = T // max_len sequences, padded to the mini-batch's longest;
   (b) fixed micro-batches of m sequences, each padded to its own longest;
-  (c) dsrl token budget T with rank balancing (dsrl.partition).
+  (c) dsrl token budget T with rank balancing (dsrl.core.partition).
 
 Methods alternate step by step (order rotated every step). Reported: median valid tokens/s per
 method (valid = real sequence tokens of the whole mini-batch, all ranks) and the ratios c/a, c/b.
@@ -24,7 +24,7 @@ import time
 import numpy as np
 from _common import build_lm, init_ranks, make_micro, per_token_nll, report, rl_lengths, table
 
-from dsrl.partition import fixed_micro_batches, token_budget_micro_batches
+from dsrl.core.partition import fixed_micro_batches, token_budget_micro_batches
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ plus :func:`load_config` and :class:`ConfigError` for reading run files.
 """
 
 from dsrl.config import ConfigError, load_config
-from dsrl.plan import BatchPlan
+from dsrl.core.plan import BatchPlan
 
 __version__ = "0.1.0"
 __all__ = ["BatchPlan", "ConfigError", "RLEngine", "initialize", "load_config", "__version__"]
@@ -14,7 +14,7 @@ __all__ = ["BatchPlan", "ConfigError", "RLEngine", "initialize", "load_config", 
 def __getattr__(name: str):
     # The engine imports torch.distributed and DeepSpeed; keep `import dsrl` (and `dsrl plan`) light.
     if name in ("RLEngine", "initialize"):
-        from dsrl import engine
+        from dsrl.backends.deepspeed import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'dsrl' has no attribute {name!r}")

@@ -16,10 +16,10 @@ import logging
 import os
 import sys
 
+from dsrl.checkpoint.output_lock import release_all
 from dsrl.config import ConfigError, parse_override_args
-from dsrl.output_lock import release_all
-from dsrl.run_errors import CollectiveTimeout, RunError
-from dsrl.stop import InterruptedStartup
+from dsrl.core.errors import CollectiveTimeout, RunError
+from dsrl.runtime.stop import InterruptedStartup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_override_args(rest)
         if args.overwrite:
             overrides["dsrl.run.overwrite"] = True
-        from dsrl.trainer import Trainer
+        from dsrl.rl.trainer import Trainer
 
         trainer = Trainer(args.ds_config, overrides, resume=args.resume)
         trainer.run()

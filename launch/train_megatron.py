@@ -71,7 +71,7 @@ def build(args: argparse.Namespace, cuda: bool, plan: Any) -> tuple[Any, Any, An
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from dsrl.megatron import build_param_scheduler
+    from dsrl.backends.megatron import build_param_scheduler
 
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
@@ -146,8 +146,8 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from dsrl import BatchPlan, load_config
-    from dsrl.loss import clipped_policy_loss
-    from dsrl.megatron import MegatronRLStep
+    from dsrl.algos.losses import clipped_policy_loss
+    from dsrl.backends.megatron import MegatronRLStep
 
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     dp = ps.get_data_parallel_world_size()

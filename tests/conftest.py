@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 # This checkout's dsrl, whatever is installed (an editable install may point at another checkout).
 sys.path.insert(0, str(REPO))
 
-from dsrl import cpu_shm  # noqa: E402
+from dsrl.backends.deepspeed import cpu_shm  # noqa: E402
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -11,7 +11,7 @@ from dsrl.algos.advantages import (
 from dsrl.algos.defaults import ResolvedAlgorithm, resolve_algorithm
 from dsrl.algos.filters import overlong_filter_mask, overlong_shaping, truncated, zero_variance_groups
 from dsrl.algos.gae import gae, token_rewards, whiten
-from dsrl.names import ALGORITHM_DEFAULTS
+from dsrl.config.names import ALGORITHM_DEFAULTS
 
 __all__ = [
     "ALGORITHM_DEFAULTS",

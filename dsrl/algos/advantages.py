@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from dsrl.names import ALGORITHM_DEFAULTS, GROUP_RELATIVE_ALGORITHMS
+from dsrl.config.names import ALGORITHM_DEFAULTS, GROUP_RELATIVE_ALGORITHMS
 
 ESTIMATORS = GROUP_RELATIVE_ALGORITHMS
 # Divide by the group std unless AlgorithmConfig.normalize_std says otherwise.

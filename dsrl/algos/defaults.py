@@ -1,6 +1,6 @@
 """Per-algorithm defaults for the ``dsrl.algorithm`` keys left unset (``null``) in the config.
 
-The table itself is :data:`dsrl.names.ALGORITHM_DEFAULTS` (one source for the config models, the
+The table itself is :data:`dsrl.config.names.ALGORITHM_DEFAULTS` (one source for the config models, the
 loss aggregation default ``DsrlConfig.loss_agg``, the advantage estimators and the docs);
 :func:`resolve_algorithm` fills every unset key and returns concrete values.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsrl.config import AlgorithmConfig
-from dsrl.names import ALGORITHM_DEFAULTS
+from dsrl.config.names import ALGORITHM_DEFAULTS
 
 
 @dataclass(frozen=True)

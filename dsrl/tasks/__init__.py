@@ -19,11 +19,11 @@ schedule), GRPO, temperature 1, max_new_tokens 8; mean reward over 3 seeds and a
 from __future__ import annotations
 
 from dsrl.config import ConfigError
-from dsrl.names import DEFAULT_TASK
+from dsrl.config.names import DEFAULT_TASK
 from dsrl.tasks.base import Task, exact_match, partial_match_reward
 from dsrl.tasks.builtin import AddTask, StringTask
 
-# Keys: exactly dsrl.names.TASK_NAMES (the config's Literal of task names).
+# Keys: exactly dsrl.config.names.TASK_NAMES (the config's Literal of task names).
 TASKS: dict[str, Task] = {
     "reverse": StringTask("reverse", alphabet="abcde", min_len=1, max_len=3, reverse=True),
     "copy": StringTask("copy", alphabet="abcde", min_len=1, max_len=3, reverse=False),

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from conftest import REPO, free_port, launch
 
-from dsrl import cpu_shm
+from dsrl.backends.deepspeed import cpu_shm
 
 
 def _run(mode: str) -> tuple[int, list[str]]:

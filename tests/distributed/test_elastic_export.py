@@ -50,10 +50,10 @@ def steps(out) -> list[dict]:
 
 
 def planned_lrs(config: str, n: int) -> list[float]:
+    from dsrl.backends.deepspeed.schedule import lr_curve
+    from dsrl.backends.deepspeed.validation import validated_deepspeed_config
     from dsrl.config import load_config
-    from dsrl.ds_validation import validated_deepspeed_config
-    from dsrl.plan import BatchPlan
-    from dsrl.schedule import lr_curve
+    from dsrl.core.plan import BatchPlan
 
     cfg = load_config(config)
     plan = BatchPlan.from_config(cfg, 2, cfg.dsrl.data.size)
@@ -64,7 +64,7 @@ def planned_lrs(config: str, n: int) -> list[float]:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_elastic_resume_and_export(stage, tmp_path):
-    from dsrl.export import consolidated_state_dict
+    from dsrl.checkpoint.export import consolidated_state_dict
 
     config = run_file(tmp_path, stage)
     out = tmp_path / "out"
@@ -120,7 +120,7 @@ def test_elastic_resume_and_export(stage, tmp_path):
     names = {p.name for p in (out / "final_model").iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names, names
     # `dsrl export` from one ZeRO checkpoint directory (written by 1 rank; rollout3 by 2), in this process.
-    from dsrl.cli import main as dsrl_cli
+    from dsrl.cli.main import main as dsrl_cli
 
     target = tmp_path / "exported"
     assert dsrl_cli(["export", str(ckpt / "rollout2"), "--out", str(target)]) == 0

@@ -8,9 +8,9 @@ and starts one rank per node there. The tests check that
 * the main training job gives the same per-step losses over pdsh (2 nodes x 1 slot) as with the
   single-node launcher (``--num_gpus 2``);
 * an unreachable host makes the launch fail with a recognisable message within a bounded time and
-  leaves no process behind, and the ``dsrl.launch_env check-hosts`` preflight names it in seconds;
+  leaves no process behind, and the ``dsrl.cli.launch_env check-hosts`` preflight names it in seconds;
 * settings that DeepSpeed does not forward by itself (``DS_ACCELERATOR``, ``DSRL_LOG_LEVEL``) reach
-  the remote ranks through a ``.deepspeed_env`` written by :mod:`dsrl.launch_env`, and nothing else
+  the remote ranks through a ``.deepspeed_env`` written by :mod:`dsrl.cli.launch_env`, and nothing else
   leaks through.
 
 Every launch runs in a temporary working directory that holds the hostfile and ``.deepspeed_env``
@@ -39,8 +39,8 @@ import pytest
 from conftest import REPO
 from pdsh_cluster import HOSTS, UNREACHABLE_HOST, Cluster, free_port_on_hosts, pdsh_cluster
 
-from dsrl import launch_env
-from dsrl.launch_env import LaunchEnvError
+from dsrl.cli import launch_env
+from dsrl.cli.launch_env import LaunchEnvError
 
 TRAIN = REPO / "launch" / "train.py"
 MAIN_CONFIG = REPO / "configs" / "tiny_grpo_cpu.json"
@@ -62,7 +62,7 @@ if timeout_s:
 
     deepspeed.init_distributed(timeout=timedelta(seconds=float(timeout_s)), verbose=False)
 else:
-    from dsrl.engine import ensure_distributed
+    from dsrl.backends.deepspeed.engine import ensure_distributed
 
     ensure_distributed()
 import torch.distributed as dist
@@ -171,7 +171,7 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture
 def launch_dir(tmp_path: Path, cluster: Cluster) -> Iterator[Path]:
-    """A working directory holding the hostfile and a ``.deepspeed_env`` from dsrl.launch_env.
+    """A working directory holding the hostfile and a ``.deepspeed_env`` from dsrl.cli.launch_env.
 
     ``PATH`` is forwarded too, so remote ranks find the same ninja/compiler as local ones (a
     different ninja makes DeepSpeed rebuild its JIT op, ~40 s here).
@@ -304,7 +304,7 @@ def test_preflight_names_unreachable_host(cluster: Cluster, launch_dir: Path) ->
     assert "Connection refused" in problems[UNREACHABLE_HOST] or "exit code 255" in problems[UNREACHABLE_HOST]
     cluster.write_hostfile(launch_dir / "bad_hostfile", [UNREACHABLE_HOST])
     start = time.monotonic()
-    cli = subprocess.run([sys.executable, "-m", "dsrl.launch_env", "check-hosts", "bad_hostfile"], cwd=launch_dir,
+    cli = subprocess.run([sys.executable, "-m", "dsrl.cli.launch_env", "check-hosts", "bad_hostfile"], cwd=launch_dir,
                          env=env, capture_output=True, text=True, timeout=60)
     assert cli.returncode == 1 and f"host {UNREACHABLE_HOST} is not usable" in cli.stderr, cli.stderr
     assert time.monotonic() - start < 30
@@ -337,7 +337,7 @@ def test_env_reaches_remote_ranks_via_deepspeed_env(cluster: Cluster, launch_dir
 
 
 def test_runner_crashes_on_blank_line_in_deepspeed_env(cluster: Cluster, launch_dir: Path) -> None:
-    """Why dsrl.launch_env never writes a blank line: DeepSpeed's runner dies on one."""
+    """Why dsrl.cli.launch_env never writes a blank line: DeepSpeed's runner dies on one."""
     env_file = launch_dir / ".deepspeed_env"
     env_file.write_text(env_file.read_text() + "\n")
     with pytest.raises(LaunchEnvError, match="blank"):

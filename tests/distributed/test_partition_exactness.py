@@ -1,4 +1,4 @@
-"""Token-budget micro-batches from dsrl.partition keep the mini-batch gradient exact: the exactness
+"""Token-budget micro-batches from dsrl.core.partition keep the mini-batch gradient exact: the exactness
 self-check (`dsrl.check --splits token_budget`) on 2 CPU ranks, ZeRO-0 and ZeRO-3, all four loss_agg
 modes, relative error <= 1e-6 against the single-process float64 reference."""
 

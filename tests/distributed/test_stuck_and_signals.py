@@ -74,7 +74,7 @@ def test_sigterm_to_the_runner_alone_stops_every_rank_with_a_checkpoint(tmp_path
             p.kill()
         runner.kill()
     log = runner.communicate()[0]
-    # Rank 0 logs; whichever rank notices the dead launcher first tells the others (dsrl.stop).
+    # Rank 0 logs; whichever rank notices the dead launcher first tells the others (dsrl.runtime.stop).
     noticed = "stop requested (the launcher" in log or "stop requested (another rank was asked to stop)" in log
     assert noticed and "with a committed checkpoint" in log, log[-3000:]
     last = _rows(out, "rollout")[-1]["rollout"]

@@ -18,7 +18,8 @@ from dsrl.algos import (
     valid_rewards,
     zero_variance_groups,
 )
-from dsrl.config import ALGORITHM_LOSS_AGG, AlgorithmConfig, load_config
+from dsrl.config import AlgorithmConfig, load_config
+from dsrl.config.names import ALGORITHM_LOSS_AGG
 
 NAN = float("nan")
 # Two groups of G = 4: [1, 0, 0, 1] and [0, 0, 0, 1].

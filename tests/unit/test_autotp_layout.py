@@ -1,5 +1,5 @@
 """AutoTP / AutoEP layout rules without a process group: D from the ds_config, the tensor_parallel section
-DeepSpeed sees, who holds which data (dsrl.replica_data), the AutoEP compatibility fix, `dsrl plan`."""
+DeepSpeed sees, who holds which data (dsrl.rl.replica_data), the AutoEP compatibility fix, `dsrl plan`."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import json
 import pytest
 from conftest import REPO
 
-from dsrl.autoep import check_expert_layout, ensure_transformers_compat, expert_parallel_size
-from dsrl.autotp import data_parallel_replicas, resolve_section, tensor_parallel_size
-from dsrl.cli import build_plan_report
+from dsrl.backends.deepspeed.autoep import check_expert_layout, ensure_transformers_compat, expert_parallel_size
+from dsrl.backends.deepspeed.autotp import data_parallel_replicas, resolve_section, tensor_parallel_size
+from dsrl.backends.deepspeed.config import data_parallel_size
+from dsrl.cli.main import build_plan_report
 from dsrl.config import ConfigError, load_config
-from dsrl.ds_config import data_parallel_size
-from dsrl.parallel import ParallelView
-from dsrl.replica_data import is_source, my_part, share_with_tensor_peers
+from dsrl.core.parallel import ParallelView
+from dsrl.rl.replica_data import is_source, my_part, share_with_tensor_peers
 
 
 @pytest.mark.parametrize("ds,world,want", [

@@ -17,7 +17,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from dsrl.cli import main
+from dsrl.cli.main import main
 
 BASE = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text(encoding="utf-8"))
 DELETE = object()
@@ -249,7 +249,7 @@ def test_every_shipped_config_plans_without_a_warning():
     would run it) prints the plan and no warning at all."""
     configs = sorted(str(p) for p in (REPO / "configs").glob("*.json"))
     assert configs
-    code = ("import sys; from dsrl.cli import main\n"
+    code = ("import sys; from dsrl.cli.main import main\n"
             "for c in sys.argv[1:]:\n"
             "    assert main(['plan', '--ds_config', c, '--world_size', '2']) == 0, c\n")
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}

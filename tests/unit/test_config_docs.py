@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from conftest import REPO
 
-from dsrl.config_docs import render, rules
-from dsrl.config_models import DsrlConfig
-from dsrl.names import ALGORITHM_NAMES
+from dsrl.config.docs import render, rules
+from dsrl.config.models import DsrlConfig
+from dsrl.config.names import ALGORITHM_NAMES
 
 
 def test_configuration_reference_is_current():
     text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
-    assert text == render(), "docs/configuration.md is stale: run python -m dsrl.config_docs docs/configuration.md"
+    assert text == render(), "docs/configuration.md is stale: run python -m dsrl.config.docs docs/configuration.md"
     for name, section in DsrlConfig.model_fields.items():
         model = section.annotation
         assert f"## `dsrl.{name}`" in text

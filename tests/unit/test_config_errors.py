@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from dsrl.backends.deepspeed.config import resolve_deepspeed_config
+from dsrl.backends.deepspeed.schedule import schedule_spec
+from dsrl.backends.deepspeed.validation import validated_deepspeed_config
 from dsrl.config import ConfigError, load_config, parse_override_args
-from dsrl.ds_config import resolve_deepspeed_config
-from dsrl.ds_validation import validated_deepspeed_config
-from dsrl.plan import BatchPlan
-from dsrl.schedule import schedule_spec
+from dsrl.core.plan import BatchPlan
 
 BASE = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import REPO
 
+from dsrl.backends.deepspeed.config import resolve_deepspeed_config
+from dsrl.backends.deepspeed.probe import EngineView
+from dsrl.backends.deepspeed.schedule import PlannedScheduler, ScheduleSpec
+from dsrl.backends.deepspeed.validation import check_with_deepspeed, validated_deepspeed_config
 from dsrl.config import ConfigError, load_config
-from dsrl.ds_config import resolve_deepspeed_config
-from dsrl.ds_probe import EngineView
-from dsrl.ds_validation import check_with_deepspeed, validated_deepspeed_config
-from dsrl.plan import BatchPlan
-from dsrl.schedule import PlannedScheduler, ScheduleSpec
+from dsrl.core.plan import BatchPlan
 
 BASE = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text(encoding="utf-8"))
 

@@ -1,5 +1,5 @@
 """apex is optional: dsrl swaps in apex's FusedAdam only when every condition holds, else DeepSpeed's path runs
-unchanged (dsrl.fused)."""
+unchanged (dsrl.backends.deepspeed.apex)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from dsrl import fused
+from dsrl.backends.deepspeed import apex as fused
 
 DS = {"zero_optimization": {"stage": 2},
       "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}}}

@@ -1,4 +1,4 @@
-"""dsrl.launch_env without a cluster: the .deepspeed_env writer and parser, hostfile checks, CLI."""
+"""dsrl.cli.launch_env without a cluster: the .deepspeed_env writer and parser, hostfile checks, CLI."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from dsrl import launch_env
-from dsrl.launch_env import LaunchEnvError
+from dsrl.cli import launch_env
+from dsrl.cli.launch_env import LaunchEnvError
 
 
 def base_env() -> dict[str, str]:
@@ -85,17 +85,17 @@ def test_collect_env_forwards_dsrl_and_defaults_only() -> None:
 
 def test_cli_write_and_check(tmp_path: Path) -> None:
     env = {**base_env(), "DSRL_LOG_LEVEL": "warning"}
-    proc = subprocess.run([sys.executable, "-m", "dsrl.launch_env", "write", "--out", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "dsrl.cli.launch_env", "write", "--out", str(tmp_path),
                            "--set", "DSRL_RUN=abc"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     got = launch_env.parse_deepspeed_env((tmp_path / ".deepspeed_env").read_text())
     assert got["DSRL_LOG_LEVEL"] == "warning" and got["DSRL_RUN"] == "abc" and got["DS_ACCELERATOR"] == "cpu"
-    bad = subprocess.run([sys.executable, "-m", "dsrl.launch_env", "write", "--out", str(tmp_path),
+    bad = subprocess.run([sys.executable, "-m", "dsrl.cli.launch_env", "write", "--out", str(tmp_path),
                           "--set", "DSRL_RUN=$(id)"], env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "DSRL_RUN" in bad.stderr
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two nodes\nnode-a slots=2\n\nnode-b slots=2\n")
-    ok = subprocess.run([sys.executable, "-m", "dsrl.launch_env", "check-hostfile", str(hostfile)], env=env,
+    ok = subprocess.run([sys.executable, "-m", "dsrl.cli.launch_env", "check-hostfile", str(hostfile)], env=env,
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "node-b: slots=2 global ranks 2..3" in ok.stdout, ok.stdout + ok.stderr
 

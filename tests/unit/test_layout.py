@@ -73,6 +73,6 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_engine_and_megatron_never_import_each_other():
     mods = _modules()
-    megatron = {m for m in mods if m.startswith("dsrl.megatron")}
-    assert not _imports(mods["dsrl.engine"], mods) & megatron
-    assert all("dsrl.engine" not in _imports(mods[m], mods) for m in megatron)
+    megatron = {m for m in mods if m.startswith("dsrl.backends.megatron")}
+    assert not _imports(mods["dsrl.backends.deepspeed.engine"], mods) & megatron
+    assert all("dsrl.backends.deepspeed.engine" not in _imports(mods[m], mods) for m in megatron)

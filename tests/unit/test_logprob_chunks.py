@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsrl import loss
+from dsrl.core import logprobs as loss
 
 
 @pytest.fixture

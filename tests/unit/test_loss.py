@@ -7,15 +7,9 @@ import math
 import pytest
 import torch
 
-from dsrl.loss import (
-    MODES,
-    GlobalCounts,
-    clipped_policy_loss,
-    kl_estimate,
-    local_counts,
-    token_weights,
-    weighted_sum,
-)
+from dsrl.algos.losses import clipped_policy_loss, kl_estimate
+from dsrl.config.names import LOSS_AGG_MODES
+from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighted_sum
 
 # Two sequences in one micro-batch: 3 and 1 valid tokens; a third sequence is fully masked.
 MASK = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
@@ -51,7 +45,7 @@ def test_seq_mean_uses_whole_sequence_count_when_given():
     assert w[0, 1].item() == 0.25
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_zero_token_mini_batch_gives_zero_not_nan(mode):
     micro = {"loss_mask": torch.zeros(2, 3, dtype=torch.long)}
     w = token_weights(mode, micro, GlobalCounts(tokens=0, sequences=0), mini_batch_size=4, norm_length=3)

@@ -1,4 +1,4 @@
-"""dsrl.megatron in one process: the CP cut matches megatron-core's get_batch_on_this_cp_rank, the
+"""dsrl.backends.megatron in one process: the CP cut matches megatron-core's get_batch_on_this_cp_rank, the
 scheduler driver, and the ImportError message."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ def test_cp_cut_matches_megatron_and_keeps_whole_counts(monkeypatch, cp):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from dsrl.loss import sequence_valid_tokens
-    from dsrl.megatron import shard_for_context_parallel, unshard_from_context_parallel
+    from dsrl.backends.megatron import shard_for_context_parallel, unshard_from_context_parallel
+    from dsrl.core.weights import sequence_valid_tokens
 
     g = torch.Generator().manual_seed(cp)
     s = 12 * cp
@@ -43,7 +43,7 @@ def test_cp_cut_matches_megatron_and_keeps_whole_counts(monkeypatch, cp):
 
 
 def test_scheduler_driver_unit_success_and_resume():
-    from dsrl.megatron import SchedulerDriver, build_param_scheduler
+    from dsrl.backends.megatron import SchedulerDriver, build_param_scheduler
 
     def fresh(unit: str = "optimizer_steps"):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
@@ -73,7 +73,7 @@ def test_scheduler_driver_unit_success_and_resume():
 
 
 def test_missing_megatron_names_the_extra(monkeypatch):
-    from dsrl.megatron import require_megatron
+    from dsrl.backends.megatron import require_megatron
 
     monkeypatch.setitem(sys.modules, "megatron", None)
     monkeypatch.setitem(sys.modules, "megatron.core", None)

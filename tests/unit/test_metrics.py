@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-from dsrl.batching import Sample
-from dsrl.experience import RolloutStats
-from dsrl.metrics import MetricsWriter, rollout_record
+from dsrl.rl.batching import Sample
+from dsrl.rl.experience import RolloutStats
+from dsrl.runtime.metrics import MetricsWriter, rollout_record
 
 
 def _samples() -> list[Sample]:

@@ -1,13 +1,13 @@
-"""One source of names: the config models, losses, algorithms, tasks and models all use dsrl.names."""
+"""One source of names: the config models, losses, algorithms, tasks and models all use dsrl.config.names."""
 
 from __future__ import annotations
 
 import typing
 
-from dsrl import loss, names
 from dsrl.algos import ESTIMATORS, NORMALIZE_STD_DEFAULT
-from dsrl.config import AlgorithmConfig, BatchConfig, DataConfig, ModelConfig
-from dsrl.models import tiny_config
+from dsrl.config import AlgorithmConfig, BatchConfig, DataConfig, ModelConfig, names
+from dsrl.core import weights as loss
+from dsrl.rl.models import tiny_config
 from dsrl.tasks import TASKS
 
 
@@ -20,7 +20,7 @@ def test_every_consumer_uses_the_same_names():
     assert set(names.ALGORITHM_DEFAULTS) == set(names.ALGORITHM_NAMES)
     assert set(ESTIMATORS) | set(names.CRITIC_ALGORITHMS) == set(names.ALGORITHM_NAMES)
     assert _choices(AlgorithmConfig, "name") == set(names.ALGORITHM_NAMES)
-    assert loss.MODES == names.LOSS_AGG_MODES and _choices(BatchConfig, "loss_agg") == set(names.LOSS_AGG_MODES)
+    assert loss.LOSS_AGG_MODES == names.LOSS_AGG_MODES and _choices(BatchConfig, "loss_agg") == set(names.LOSS_AGG_MODES)
     assert set(names.ALGORITHM_LOSS_AGG.values()) <= set(names.LOSS_AGG_MODES)
     assert NORMALIZE_STD_DEFAULT == {n: names.ALGORITHM_DEFAULTS[n]["normalize_std"] for n in ESTIMATORS}
     assert all(d["ratio_level"] in names.RATIO_LEVELS for d in names.ALGORITHM_DEFAULTS.values())

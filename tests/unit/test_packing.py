@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsrl.batching import Sample, collate, collate_packed
 from dsrl.config import ModelConfig
-from dsrl.loss import GlobalCounts, local_counts, token_logprobs, token_weights, weighted_sum
-from dsrl.models import build_model
+from dsrl.core.logprobs import token_logprobs
+from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighted_sum
+from dsrl.rl.batching import Sample, collate, collate_packed
+from dsrl.rl.models import build_model
 
 
 def _samples() -> list[Sample]:

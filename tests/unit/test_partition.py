@@ -1,4 +1,4 @@
-"""dsrl.partition: mini-batches, fixed and token-budget micro-batches, rank balancing (fast, no processes)."""
+"""dsrl.core.partition: mini-batches, fixed and token-budget micro-batches, rank balancing (fast, no processes)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dsrl.balance import balance_ranks
 from dsrl.config import BatchConfig
-from dsrl.partition import (
+from dsrl.core.balance import balance_ranks
+from dsrl.core.partition import (
     expected_token_budget_stats,
     fixed_micro_batches,
     mini_batches,

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, write_json
 
 from dsrl.config import load_config
-from dsrl.plan import BatchPlan
+from dsrl.core.plan import BatchPlan
 
 
 def _rloo_config(G: int, E: int = 1, B: int | str = "auto", last_rollout: str = "drop") -> dict:
@@ -61,7 +61,7 @@ def test_wrap_rule_covers_every_prompt():
 
 def test_steps_taken_by_the_loop_equal_the_plan():
     """Walk the hierarchy the way the trainer does; the number of steps taken equals the bar total."""
-    from dsrl.partition import mini_batches
+    from dsrl.core.partition import mini_batches
 
     raw = _rloo_config(4, E=2, B=8)
     raw["dsrl"]["batch"]["micro_batch_size_per_rank"] = 2

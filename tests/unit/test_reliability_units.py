@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from dsrl import checkpoint as ckpt
-from dsrl import manifest, run_dir, watchdog
+from dsrl.checkpoint import commit as ckpt
+from dsrl.checkpoint import manifest, run_dir
+from dsrl.checkpoint.elastic import Layout, check_compatible, needs_universal, saved_layout
+from dsrl.checkpoint.output_lock import OutputLock
 from dsrl.config import ConfigError, DataConfig, load_config
-from dsrl.data import as_batched, load_prompts
-from dsrl.elastic import Layout, check_compatible, needs_universal, saved_layout
-from dsrl.metrics import MetricsWriter
-from dsrl.output_lock import OutputLock
-from dsrl.reward_contract import all_timed_out
-from dsrl.stop import StopControl, _looks_like_launcher
+from dsrl.core import timeouts
+from dsrl.rl.data import as_batched, load_prompts
+from dsrl.rl.reward_contract import all_timed_out
+from dsrl.runtime.metrics import MetricsWriter
+from dsrl.runtime.stop import StopControl, _looks_like_launcher
 
 # ------------------------------------------------------------------------------ fake checkpoints
 
@@ -168,7 +169,7 @@ def test_free_space_warns_below_one_checkpoint_and_refuses_far_below(tmp_path, m
     monkeypatch.setattr(run_dir.shutil, "disk_usage", lambda p: usage)
     run_dir.check_free_space(run, model, run_cfg(tmp_path))
     usage.free = int(need * 0.8)
-    with caplog.at_level("WARNING", logger="dsrl.run_dir"):
+    with caplog.at_level("WARNING", logger="dsrl.checkpoint.run_dir"):
         run_dir.check_free_space(run, model, run_cfg(tmp_path))
     assert "a checkpoint save will probably fail" in caplog.text
     usage.free = int(need * 0.4)
@@ -263,13 +264,13 @@ def test_invalid_utf8_prompts_file_is_a_config_error(tmp_path):
 def test_join_bound_applies_without_environment_variables(monkeypatch):
     import deepspeed
 
-    from dsrl import cpu_shm, engine
+    from dsrl.backends.deepspeed import cpu_shm, engine
 
-    monkeypatch.delenv(watchdog.JOIN_TIMEOUT_ENV, raising=False)
-    assert watchdog.join_timeout_s() == watchdog.DEFAULT_JOIN_TIMEOUT_S == 300.0
-    monkeypatch.setenv(watchdog.JOIN_TIMEOUT_ENV, "12")
-    assert watchdog.join_timeout_s() == 12.0 and watchdog.join_timeout_s(7) == 7.0
-    monkeypatch.delenv(watchdog.JOIN_TIMEOUT_ENV)
+    monkeypatch.delenv(timeouts.JOIN_TIMEOUT_ENV, raising=False)
+    assert timeouts.join_timeout_s() == timeouts.DEFAULT_JOIN_TIMEOUT_S == 300.0
+    monkeypatch.setenv(timeouts.JOIN_TIMEOUT_ENV, "12")
+    assert timeouts.join_timeout_s() == 12.0 and timeouts.join_timeout_s(7) == 7.0
+    monkeypatch.delenv(timeouts.JOIN_TIMEOUT_ENV)
     seen = {}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, {"WORLD_SIZE": "2", "LOCAL_SIZE": "1"}.get(key, "0"))
@@ -330,7 +331,7 @@ def test_universal_conversion_sees_only_the_engine_s_own_files(tmp_path):
     """A policy checkpoint holds its critic in a sub-directory; DeepSpeed's converter walks directories
     recursively and took the critic's model-state file for a second model-parallel rank (found on a
     2 -> 1 PPO resume). The converter is given the engine's own files only."""
-    from dsrl.elastic import _engine_files_only
+    from dsrl.checkpoint.elastic import _engine_files_only
 
     tag = tmp_path / "rollout2"
     (tag / "critic").mkdir(parents=True)

@@ -11,10 +11,10 @@ import torch
 from conftest import REPO
 
 from dsrl.config import ConfigError, ModelConfig, load_config
-from dsrl.critic import critic_config
-from dsrl.plan import BatchPlan
-from dsrl.reward_model import RewardModel, save_tiny_reward_model
-from dsrl.tokenizer import load_tokenizer
+from dsrl.core.plan import BatchPlan
+from dsrl.rl.critic import critic_config
+from dsrl.rl.reward_model import RewardModel, save_tiny_reward_model
+from dsrl.rl.tokenizer import load_tokenizer
 
 PLAIN = types.SimpleNamespace(zero_stage=2, device="cpu")  # a policy engine that does not shard (ZeRO < 3)
 
@@ -78,7 +78,7 @@ def test_critic_run_file_takes_the_critic_sections_and_its_own_horizon():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from dsrl.plot import plot_run
+    from dsrl.runtime.plot import plot_run
 
     rows = [{"event": "sft", "sft_step": 1, "call": 1, "optimizer_step": 1, "loss": 3.0, "lr": 1e-3}]
     for r in range(1, 4):

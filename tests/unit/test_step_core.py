@@ -1,4 +1,4 @@
-"""dsrl.step_core in one process (no torch.distributed): a minimal backend over a plain torch model
+"""dsrl.core.step in one process (no torch.distributed): a minimal backend over a plain torch model
 gets the exact mini-batch gradient under any split into micro-batches, fillers from a remembered
 template, the non-finite skip, metric token means, a dict-like result and a state-dict round trip."""
 
@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from dsrl.check import MAX_LEN, TinyCausalModel, collate, make_sequences, per_token_loss, reference_gradient
-from dsrl.check import relative_error as _rel
-from dsrl.loss import MODES
-from dsrl.parallel import ParallelView
-from dsrl.step_core import RESERVED_NAMES, StepCore, StepInputs, StepResult, Update
+from dsrl.cli.check import MAX_LEN, TinyCausalModel, collate, make_sequences, per_token_loss, reference_gradient
+from dsrl.cli.check import relative_error as _rel
+from dsrl.config.names import LOSS_AGG_MODES
+from dsrl.core.parallel import ParallelView
+from dsrl.core.step import RESERVED_NAMES, StepCore, StepInputs, StepResult, Update
 
 
 class Counter:
@@ -58,7 +58,7 @@ class PlainStep(StepCore):
         return Update(applied=not skip, grad_norm=None if skip else torch.tensor(1.5), lr=0.1)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_any_split_gives_the_mini_batch_gradient(mode):
     seqs = make_sequences(7, seed=3)
     torch.manual_seed(0)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dsrl.config import ConfigError, DataConfig, ModelConfig, load_config
-from dsrl.data import (
+from dsrl.core.plan import BatchPlan
+from dsrl.rl.data import (
     PromptSampler,
     as_batched,
     dataset_size,
@@ -18,9 +19,8 @@ from dsrl.data import (
     load_reward_fn,
     rollouts_for_epochs,
 )
-from dsrl.plan import BatchPlan
+from dsrl.rl.tokenizer import TINY_TOKENIZER_PATH, load_tokenizer
 from dsrl.tasks import TASKS, get_task, partial_match_reward
-from dsrl.tokenizer import TINY_TOKENIZER_PATH, load_tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 JSONL = str(DATA / "prompts.jsonl")

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from dsrl.experience import ExperienceMaker
+from dsrl.rl.experience import ExperienceMaker
 
 
 def test_each_rollout_syncs_the_generator_weights_before_generating(monkeypatch):
@@ -28,7 +28,7 @@ def test_each_rollout_syncs_the_generator_weights_before_generating(monkeypatch)
     monkeypatch.setattr(maker, "collect", lambda i: (calls.append(f"collect {i}"), ([], _Stats(), 1))[1])
     monkeypatch.setattr(maker, "score_logprobs", lambda s: None)
     monkeypatch.setattr(maker, "advantages", lambda s: None)
-    monkeypatch.setattr("dsrl.experience.is_source", lambda view: False)
+    monkeypatch.setattr("dsrl.rl.experience.is_source", lambda view: False)
     maker.make(0)
     maker.make(1)
     assert calls == ["sync", "collect 0", "sync", "collect 1"]
@@ -50,7 +50,7 @@ def _vllm_gpu_reason() -> str | None:
                     reason=f"!!! NOT RUN: the vLLM backend test needs vllm and a CUDA GPU ({_vllm_gpu_reason()})")
 def test_vllm_greedy_matches_generate_and_follows_weight_sync(tmp_path):
     from dsrl.config import ModelConfig, RolloutConfig
-    from dsrl.models import build_model
+    from dsrl.rl.models import build_model
     from dsrl.rollout.hf import HFRolloutBackend
     from dsrl.rollout.vllm import VLLMRolloutBackend
 

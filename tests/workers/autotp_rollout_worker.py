@@ -38,9 +38,9 @@ def main() -> None:
     from rollout_worker import CollectiveCounter
 
     import dsrl
+    from dsrl.backends.deepspeed.engine import ensure_distributed
     from dsrl.config import ModelConfig, RolloutConfig
-    from dsrl.engine import ensure_distributed
-    from dsrl.models import build_model, frozen_copy
+    from dsrl.rl.models import build_model, frozen_copy
     from dsrl.rollout.hf import HFRolloutBackend
 
     ensure_distributed()

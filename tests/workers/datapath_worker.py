@@ -1,5 +1,5 @@
 """``launch/train.py`` with the rollout data path chosen by ``--datapath``: ``all-to-all`` (dsrl's,
-dsrl.replica_data.RolloutIndex) or ``all-gather`` (the path before issue 11: bench/datapath.py's
+dsrl.rl.replica_data.RolloutIndex) or ``all-gather`` (the path before issue 11: bench/datapath.py's
 AllGatherRollout stands in for RolloutIndex in the trainer). For tests/distributed/test_datapath_ranks.py."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ def main() -> int:
     if path == "all-gather":
         from datapath import AllGatherRollout
 
-        import dsrl.trainer
+        import dsrl.rl.trainer
 
-        dsrl.trainer.RolloutIndex = AllGatherRollout
+        dsrl.rl.trainer.RolloutIndex = AllGatherRollout
     elif path != "all-to-all":
         raise SystemExit(f"--datapath {path!r}: all-to-all | all-gather")
     import train

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import dsrl
-from dsrl.check import TinyCausalModel, collate, make_sequences, per_token_loss
+from dsrl.checkpoint.engines import load_engines, save_engines
+from dsrl.cli.check import TinyCausalModel, collate, make_sequences, per_token_loss
 
 
 def _config(stage: int, rollouts: int, E: int, out: str, sched: bool) -> dict:
@@ -52,7 +53,7 @@ def run_schedule(args) -> dict:
     assert eng.plan.micro_batches_per_step == 16 and eng.plan.total_optimizer_steps == 8
     start = 0
     if args.resume:
-        tag, client, _ = eng.load_checkpoint(args.out)
+        tag, client, _ = load_engines(eng, args.out)
         assert tag is not None
         start = client["calls"]
     lrs, applied = [], []
@@ -67,7 +68,7 @@ def run_schedule(args) -> dict:
         lrs.append(res["lr"])
         applied.append(res["step_applied"])
         if args.stop_after and eng.optimizer_steps == args.stop_after:
-            eng.save_checkpoint(args.out, f"step{eng.optimizer_steps}", client_state={"calls": calls})
+            save_engines(eng, args.out, f"step{eng.optimizer_steps}", client_state={"calls": calls})
             break
     finite = all(torch.isfinite(p).all() for p in eng.engine.module.parameters())
     return {"lrs": lrs, "applied": applied, "optimizer_steps": eng.optimizer_steps, "finite": bool(finite),

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl.loss import GlobalCounts, clipped_policy_loss, local_counts, token_weights, weighted_sum
+from dsrl.algos.losses import clipped_policy_loss
+from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighted_sum
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, MAX_POS = 64, 32, 4, 2, 16, 32
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
@@ -43,7 +44,7 @@ def build_parallel(per_token: bool, seed: int = 0, ddp_kwargs: dict | None = Non
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from dsrl.megatron import build_param_scheduler
+    from dsrl.backends.megatron import build_param_scheduler
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

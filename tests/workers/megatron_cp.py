@@ -17,8 +17,8 @@ import megatron_common as mc
 import torch
 import torch.distributed as dist
 
-from dsrl.loss import MODES, SEQ_MEAN_TOKEN_MEAN
-from dsrl.megatron import MegatronRLStep, shard_for_context_parallel
+from dsrl.backends.megatron import MegatronRLStep, shard_for_context_parallel
+from dsrl.config.names import LOSS_AGG_MODES, SEQ_MEAN_TOKEN_MEAN
 
 VOCAB_CP, HID_CP = 32, 16
 
@@ -57,7 +57,7 @@ def _build(per_token: bool) -> tuple[Any, Any, Any, Any]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from dsrl.megatron import build_param_scheduler
+    from dsrl.backends.megatron import build_param_scheduler
 
     torch.manual_seed(0)
     cfg = mc.transformer_config(per_token)
@@ -102,7 +102,7 @@ def run_cp_suite(checks: dict[str, Any]) -> list[dict[str, Any]]:
         step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz, norm_length=mc.NORM_LENGTH)
         counts = step.global_counts(by_hand)
         checks[f"cp2/{conv}/counts"] = [counts.tokens, counts.sequences, counts.max_micro_batches, counts.samples]
-        for mode in MODES:
+        for mode in LOSS_AGG_MODES:
             step.loss_agg = mode
             step.cp_shard = True
             step.train_step(whole, token_forward, mc.ppo_loss)

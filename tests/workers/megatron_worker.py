@@ -29,8 +29,8 @@ megatron_cpu_shim.install()
 import megatron_common as mc  # noqa: E402
 from megatron_cp import run_cp_suite  # noqa: E402
 
-from dsrl.loss import MODES  # noqa: E402
-from dsrl.megatron import MegatronRLStep  # noqa: E402
+from dsrl.backends.megatron import MegatronRLStep  # noqa: E402
+from dsrl.config.names import LOSS_AGG_MODES  # noqa: E402
 
 CONVENTIONS = ("per_token", "average")
 
@@ -78,7 +78,7 @@ def run_equivalence(rec: Recorder, layout: str, counts: list[int], seed: int) ->
     for conv in CONVENTIONS:
         ddp, opt, sched = mc.build_parallel(conv == "per_token")
         step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz, norm_length=mc.NORM_LENGTH)
-        for mode in MODES:
+        for mode in LOSS_AGG_MODES:
             step.loss_agg = mode
             params = mc.gather_full(ddp, "param")
             res = step.train_step(mine, mc.gpt_forward, mc.ppo_loss)
@@ -93,7 +93,7 @@ def run_dp_extras(rec: Recorder) -> None:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from dsrl.megatron import build_param_scheduler
+    from dsrl.backends.megatron import build_param_scheduler
 
     c = rec.checks
     ddp, opt, sched = mc.build_parallel(per_token=False, flip_flag_after_ddp=True)

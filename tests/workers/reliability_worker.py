@@ -36,7 +36,7 @@ def main() -> int:
     args, rest = p.parse_known_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
     from dsrl.config import parse_override_args
-    from dsrl.trainer import Trainer
+    from dsrl.rl.trainer import Trainer
 
     trainer = Trainer(args.ds_config, parse_override_args(rest), resume=args.resume)
     rl = trainer.rl
@@ -44,7 +44,7 @@ def main() -> int:
         params = _full_parameters(rl)
         if trainer.rank == 0:
             torch.save({"params": params, "optimizer_steps": rl.optimizer_steps,
-                        "next_lr": rl.scheduler.current_lr(), "notice": rl.last_resume_notice}, args.dump_resumed)
+                        "next_lr": rl.scheduler.current_lr(), "notice": trainer.resume_notice}, args.dump_resumed)
     trainer.run()
     if args.dump_logits:
         ids = (torch.arange(24).view(2, 12) * 7 + 3) % len(trainer.tokenizer)

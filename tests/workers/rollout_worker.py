@@ -86,9 +86,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import dsrl
+    from dsrl.backends.deepspeed.engine import ensure_distributed
     from dsrl.config import ModelConfig, RolloutConfig
-    from dsrl.engine import ensure_distributed
-    from dsrl.models import build_model, frozen_copy
+    from dsrl.rl.models import build_model, frozen_copy
     from dsrl.rollout.cb import ContinuousBatchingBackend
     from dsrl.rollout.hf import HFRolloutBackend
 

@@ -1,7 +1,7 @@
 """Worker for tests/test_cpu_shm.py: start DeepSpeed's CPU process group, then exit or crash.
 
 Modes: ``deepspeed`` (plain ``deepspeed.init_distributed``: the control, which leaks), ``dsrl``
-(``dsrl.engine.ensure_distributed``), ``dsrl_crash`` (as ``dsrl``, then rank 1 kills itself),
+(``dsrl.backends.deepspeed.engine.ensure_distributed``), ``dsrl_crash`` (as ``dsrl``, then rank 1 kills itself),
 ``dsrl_slow_rank1`` (rank 1 reaches DeepSpeed's shm set-up 120 s late, so rank 0 waits inside it
 with its segment created: the window an interrupted start-up falls into) and
 ``dsrl_slow_rank1_unwatched`` (the same without dsrl's segment watcher: the control, which leaks).
@@ -40,7 +40,7 @@ def _delay_shm_setup_on_rank1(watched: bool) -> None:
 
     ds_torch.build_shm_op = lambda: Late(build())
     if not watched:
-        from dsrl import cpu_shm
+        from dsrl.backends.deepspeed import cpu_shm
 
         cpu_shm.arm_cleaner = lambda rank: None
 
@@ -58,7 +58,7 @@ def main() -> None:
     else:
         if args.mode.startswith("dsrl_slow_rank1"):
             _delay_shm_setup_on_rank1(watched=args.mode == "dsrl_slow_rank1")
-        from dsrl.engine import ensure_distributed
+        from dsrl.backends.deepspeed.engine import ensure_distributed
 
         ensure_distributed()
     t = torch.ones(4)

@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    from dsrl.engine import ensure_distributed
+    from dsrl.backends.deepspeed.engine import ensure_distributed
 
     ensure_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -1,0 +1,277 @@
+"""RLEngine: one exact optimizer step per mini-batch on top of a DeepSpeedEngine.
+
+``train_mini_batch(micro_batches, loss_fn)`` keeps the invariants of :mod:`dsrl.core.step` (global
+counts in one collective before the first backward, zero-weight fillers so every rank runs the same
+number of forwards and backwards, the exact weights, the all-rank non-finite skip, metric token
+means, the step counters). What is DeepSpeed's (architecture §3, §7):
+
+- each micro-batch backward is ``engine.backward(D * sum_{t in micro} w_t l_t, scale_wrt_gas=False)``
+  with D the engine's real averaging factor (:func:`dsrl.backends.deepspeed.view.deepspeed_view`), so that its
+  average over D ranks applies exactly the gradient of L_M;
+- ``engine.step()`` runs exactly once; dsrl's LR schedule advances only if
+  ``engine.was_step_applied()``;
+- ZeRO-0 has no overflow check of its own: local gradients are checked too, and a non-finite step is
+  dropped (``zero_grad``) on every rank; on ZeRO 1-3 the engine's own overflow check skips it (and
+  dsrl raises if an update was applied anyway).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl.backends.deepspeed import cpu_shm
+from dsrl.backends.deepspeed.apex import apex_adam_for
+from dsrl.backends.deepspeed.autoep import ensure_transformers_compat, expert_parallel_enabled
+from dsrl.backends.deepspeed.autotp import check_model_for_tensor_parallel, tensor_parallel_size
+from dsrl.backends.deepspeed.config import data_parallel_size
+from dsrl.backends.deepspeed.schedule import PlannedScheduler
+from dsrl.backends.deepspeed.validation import validated_deepspeed_config
+from dsrl.backends.deepspeed.view import deepspeed_view
+from dsrl.config import Config, ConfigError, load_config
+from dsrl.core import timeouts
+from dsrl.core.errors import RunError
+from dsrl.core.parallel import ParallelView
+from dsrl.core.plan import BatchPlan
+from dsrl.core.step import Log, MicroBatch, MiniBatchCounts, StepCore, StepInputs, StepResult, Update
+
+LossFn = Callable[[Any, MicroBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_distributed(join_timeout_s: float | None = None, collective_timeout_s: float | None = None) -> None:
+    """Initialise torch.distributed and DeepSpeed's communication backend; a plain ``python`` run
+    becomes 1 rank.
+
+    Joining is bounded by ``join_timeout_s`` (else ``$DSRL_INIT_TIMEOUT_S``, else
+    :data:`dsrl.runtime.timeouts.DEFAULT_JOIN_TIMEOUT_S`): a rank that never starts ends the job with a
+    sentence instead of DeepSpeed's 30-minute wait. Afterwards every collective of the default group
+    is bounded by ``collective_timeout_s`` when given (:mod:`dsrl.core.timeouts`). On the CPU accelerator
+    the shared-memory all-reduce segments DeepSpeed creates are checked for room before and unlinked
+    after (:mod:`dsrl.backends.deepspeed.cpu_shm`), with a watcher process that removes them even if the start-up is
+    interrupted, so no job leaks ``/dev/shm``.
+    """
+    import deepspeed
+
+    kwargs = {}
+    cleaner = None
+    starting = not dist.is_initialized()
+    if starting:
+        if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        from datetime import timedelta
+
+        kwargs["timeout"] = timedelta(seconds=timeouts.join_timeout_s(join_timeout_s))
+        if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_SIZE"):
+            cpu_shm.check_room(int(os.environ.get("LOCAL_SIZE", "1")))
+            cleaner = cpu_shm.arm_cleaner(int(os.environ.get("RANK", "0")))
+    try:
+        # Over a process group the caller started, this only builds DeepSpeed's backend (and its shm
+        # segments), as deepspeed.initialize would later; either way they are released right here.
+        try:
+            deepspeed.init_distributed(verbose=False, **kwargs)
+        except RuntimeError as e:
+            if "timeout" in kwargs and timeouts.looks_like_timeout(e):
+                raise RunError(_join_failure(kwargs["timeout"].total_seconds(), e)) from e
+            raise
+        cpu_shm.release_segments()
+    finally:
+        if cleaner is not None:
+            cleaner.disarm()
+    if collective_timeout_s is not None or starting:
+        timeouts.set_collective_timeout(collective_timeout_s or timeouts.DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
+def _join_failure(seconds: float, exc: BaseException) -> str:
+    world, rank = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    first = str(exc).strip().splitlines()[0][:300]
+    return (f"rank {rank}: not all {world} ranks joined the process group at {where} within {seconds:g} s "
+            f"(dsrl.run.join_timeout_s, or ${timeouts.JOIN_TIMEOUT_ENV}); a node that never started its ranks "
+            "(see the launcher's output, e.g. pdsh's ssh errors) or a wrong MASTER_ADDR/port usually causes "
+            f"this. ({first})")
+
+
+def on_gpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() != "cpu"
+
+
+class RLEngine(StepCore):
+    """A DeepSpeedEngine whose optimizer step, normalisation and LR schedule dsrl owns.
+
+    The step itself is :class:`dsrl.core.step.StepCore`'s; this adapter says how DeepSpeed runs it:
+    one ``engine.backward(D * S_w, scale_wrt_gas=False)`` per micro-batch, then one ``engine.step()``.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        plan: BatchPlan,
+        scheduler: PlannedScheduler,
+        view: ParallelView,
+        config: Config | None = None,
+    ):
+        super().__init__(view, scheduler, loss_agg=plan.loss_agg, mini_batch_size=plan.mini_batch_size,
+                         norm_length=plan.loss_norm_length)
+        self.engine = engine
+        self.plan = plan
+        self.scheduler = scheduler
+        self.config = config
+
+    # -- conveniences ---------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    collective_device = device  # counts and metrics are reduced on the engine's device
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    # -- the step -------------------------------------------------------------------------------
+    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> StepResult:
+        """One optimizer step over a mini-batch given as this rank's micro-batches.
+
+        ``loss_fn(engine, micro)`` runs the forward through the engine and returns per-token losses
+        ``[b, t]`` (or ``(losses, metrics)`` with per-token metric tensors ``[b, t]``, reported as
+        global token means). dsrl applies the aggregation weights; user code never divides by a count.
+        The result is a :class:`dsrl.core.step.StepResult`, usable as a dict (``res["loss"]``).
+        """
+        return self.run_step(micro_batches, loss_fn)
+
+    def _forward_backward(self, inputs: StepInputs, loss_fn: LossFn) -> tuple[list[Log], torch.Tensor | None]:
+        self.engine.train()
+        logs = []
+        for item in inputs.items:
+            s_w, log = self.micro_loss(loss_fn(self.engine, item.micro), item)
+            self.engine.backward(s_w * self.view.grad_scale, scale_wrt_gas=False)
+            logs.append(log)
+        # ZeRO-0 has no overflow check of its own: a non-finite local gradient must skip the step too.
+        return logs, self._local_grads_nonfinite() if self.zero_stage == 0 else None
+
+    def _update(self, skip: bool, counts: MiniBatchCounts) -> Update:
+        lr = self.scheduler.current_lr()
+        applied = False
+        if skip and self.zero_stage == 0:
+            self.engine.zero_grad()  # stage 0 has no overflow check: drop the step on every rank
+        else:
+            self.engine.step()
+            applied = bool(self.engine.was_step_applied())
+            if applied and skip:
+                raise RuntimeError(
+                    "a non-finite loss reached an optimizer update that DeepSpeed applied; the weights may "
+                    "hold NaN. Resume from the last complete checkpoint and check rewards/advantages."
+                )
+        if applied:
+            self.scheduler.step()
+        return Update(applied, self.engine.get_global_grad_norm() if applied else None, lr)
+
+    def _local_grads_nonfinite(self) -> torch.Tensor:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch._foreach_norm(grads)
+        total = torch.stack([n.double() for n in norms]).sum()
+        return (~torch.isfinite(total)).double()
+
+    @torch.no_grad()
+    def forward_no_grad(self, micro_batches: Sequence[MicroBatch], fn: Callable[[Any, MicroBatch], Any]) -> list[Any]:
+        """Run ``fn(engine, micro)`` without gradients on each micro-batch, in eval mode.
+
+        Every rank of the token-owning group runs the same number of forwards (ZeRO-3 gathers
+        parameters in each forward): ranks with fewer micro-batches run discarded filler forwards.
+        """
+        micros = list(micro_batches)
+        n_max = self.max_micro_batches(len(micros))
+        if micros and self._template is None and "loss_mask" in micros[0]:
+            self.remember_template(micros[0])
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            outs = [fn(self.engine, mb) for mb in micros]
+            for filler in self.fillers(micros, n_max):
+                fn(self.engine, filler)
+        finally:
+            self.engine.train(was_training)
+        return outs
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "plan": self.plan.to_dict()}
+
+
+def _data_parallel_size(cfg: Config, mpu: Any) -> int:
+    if mpu is not None and tensor_parallel_size(cfg.ds_config) > 1:
+        raise ConfigError(
+            f"ds_config tensor_parallel.autotp_size = {tensor_parallel_size(cfg.ds_config)} with an mpu passed to "
+            "dsrl.initialize: DeepSpeed's AutoTP replaces the engine's mpu with its own (data x tensor) groups. "
+            "Fix: pass no mpu with AutoTP, or set autotp_size to 1 and keep your mpu.")
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size"):
+        # Ulysses mpu (deepspeed.runtime.sequence_parallel.parallel_state_sp): replicas = |seq_dp| / sp
+        return int(mpu.get_sequence_data_parallel_world_size()) // int(mpu.get_sequence_parallel_world_size())
+    if mpu is not None:
+        return int(mpu.get_data_parallel_world_size())
+    return data_parallel_size(cfg.ds_config, dist.get_world_size())
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: str | dict | Config,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    model_parameters: Any = None,
+    dataset_size: int | None = None,
+    mpu: Any = None,
+    overrides: dict[str, Any] | None = None,
+) -> RLEngine:
+    """Like ``deepspeed.initialize``, plus the plan: returns an :class:`RLEngine`.
+
+    All configuration errors are raised before DeepSpeed builds anything.
+    """
+    import deepspeed
+
+    cfg = load_config(config, overrides)
+    ensure_distributed(cfg.dsrl.run.join_timeout_s, cfg.dsrl.run.collective_timeout_s)
+    dp = _data_parallel_size(cfg, mpu)
+    plan = BatchPlan.from_config(cfg, dp, dataset_size)
+    # The ds_config DeepSpeed will see and the LR schedule, checked by DeepSpeed's own classes first.
+    ds_config, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu(), mpu=mpu, client_optimizer=optimizer)
+    check_model_for_tensor_parallel(model, tensor_parallel_size(ds_config))
+    if expert_parallel_enabled(ds_config):
+        ensure_transformers_compat()  # DeepSpeed 0.19.8 AutoEP presets vs transformers 5 (dsrl.backends.deepspeed.autoep)
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    # apex's prebuilt FusedAdam instead of compiling DeepSpeed's, where apex is present (dsrl.backends.deepspeed.apex).
+    apex_optimizer, ds_config = apex_adam_for(ds_config, model_parameters, cfg.dsrl.model.apex, on_gpu(), optimizer)
+    optimizer = apex_optimizer or optimizer
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu
+    )
+    view = deepspeed_view(engine)
+    if view.data_parallel_size != plan.data_parallel_size:
+        raise ConfigError(
+            f"the engine averages over {view.data_parallel_size} data-parallel replicas but the plan was built "
+            f"for D = {plan.data_parallel_size}; check sequence_parallel_size / tensor_parallel.autotp_size / mpu"
+        )
+    torch_optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+    scheduler = PlannedScheduler(spec, torch_optimizer)
+    return RLEngine(engine, plan, scheduler, view, cfg)

@@ -1,0 +1,42 @@
+"""dsrl inside Megatron training loops: exact normalisation under TP, PP, CP and variable micro-batch counts.
+
+megatron-core is imported lazily (``pip install 'dsrl[megatron]'``); importing this package needs
+only torch. Public names:
+
+- :class:`MegatronRLStep` -- one exact optimizer step per mini-batch (one ``forward_backward_func``
+  call), for ``calculate_per_token_loss=True`` (``convention="per_token"``) or Megatron's default
+  averaging DDP (``convention="average"``); the step itself is :mod:`dsrl.core.step`'s, shared with
+  the DeepSpeed backend;
+- :func:`build_param_scheduler` / :class:`SchedulerDriver` -- ``OptimizerParamScheduler`` owned by dsrl,
+  in ``"optimizer_steps"`` or ``"samples"``;
+- :func:`shard_for_context_parallel` -- Megatron's load-balanced CP cut carrying whole-sequence n_s;
+- :func:`megatron_view` -- the :class:`dsrl.core.parallel.ParallelView` of a Megatron layout: the
+  token-owning group and the DDP's real gradient factor, validated.
+
+See docs/megatron.md.
+"""
+
+from dsrl.backends.megatron.cp import cp_chunk_index, shard_for_context_parallel, unshard_from_context_parallel
+from dsrl.backends.megatron.deps import require_megatron
+from dsrl.backends.megatron.schedule import OPTIMIZER_STEPS, SAMPLES, SchedulerDriver, build_param_scheduler
+from dsrl.backends.megatron.step import AVERAGE, CONVENTIONS, PER_TOKEN, FinalizeOnce, MegatronRLStep
+from dsrl.backends.megatron.view import ddp_grad_factor, megatron_view, validate_count_group
+
+__all__ = [
+    "AVERAGE",
+    "CONVENTIONS",
+    "OPTIMIZER_STEPS",
+    "PER_TOKEN",
+    "SAMPLES",
+    "FinalizeOnce",
+    "MegatronRLStep",
+    "SchedulerDriver",
+    "build_param_scheduler",
+    "cp_chunk_index",
+    "ddp_grad_factor",
+    "megatron_view",
+    "require_megatron",
+    "shard_for_context_parallel",
+    "unshard_from_context_parallel",
+    "validate_count_group",
+]

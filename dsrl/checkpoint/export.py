@@ -1,0 +1,140 @@
+"""A checkpoint as a Hugging Face model directory: ``dsrl export RUN_OR_CHECKPOINT_DIR --out DIR``.
+
+Every checkpoint dsrl commits carries, beside DeepSpeed's files, an ``hf/`` directory with the model's
+``config.json``, ``generation_config.json`` and the tokenizer (a few KB to a few MB, written by rank 0
+before the commit and covered by the manifest), so one checkpoint directory is enough to export it.
+
+Invariants of :func:`export_checkpoint`:
+- the weights are the checkpoint's fp32 master weights, consolidated from any ZeRO stage (ZeRO-3
+  shards included) by DeepSpeed's ``zero_to_fp32`` utilities in one process, whatever the number of
+  ranks that wrote them (ZeRO-0 keeps whole weights in its model-states file; AutoTP shards are merged
+  by DeepSpeed's universal-checkpoint conversion);
+- the checkpoint is verified against its manifest first (a damaged file is an error naming it);
+- the output directory appears complete or not at all (written beside it, then renamed) and holds
+  ``model.safetensors`` (or shards), ``config.json``, ``generation_config.json`` and the tokenizer,
+  loadable with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``;
+- ``dtype="auto"`` writes the dtype the model was trained in (its config's), else float32/bfloat16/float16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from dsrl.config.errors import ConfigError
+
+HF_META = "hf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def write_hf_meta(engine_dir: str, model: Any, tokenizer: Any) -> None:
+    """Save the model's config and generation config and the tokenizer into ``engine_dir/hf`` (rank 0)."""
+    folder = os.path.join(engine_dir, HF_META)
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def _is_zero_partitioned(engine_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(engine_dir, "*zero_pp_rank_*_optim_states.pt")))
+
+
+def consolidated_state_dict(engine_dir: str, scratch: str | None = None) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of the DeepSpeed checkpoint in ``engine_dir``, in one process.
+
+    ZeRO-1/2/3: DeepSpeed's ``zero_to_fp32``; tensor-parallel (AutoTP) shards: DeepSpeed's universal
+    conversion (into ``scratch``, removed after), whose per-parameter files hold the merged weights;
+    ZeRO-0: the model-states file.
+    """
+    if glob.glob(os.path.join(engine_dir, "*mp_rank_01_*.pt")):
+        from dsrl.checkpoint.elastic import convert_to_universal
+
+        scratch = scratch or f"{engine_dir.rstrip(os.sep)}.export-universal.tmp"
+        try:
+            universal, _ = convert_to_universal(engine_dir, out=scratch)
+            zero = os.path.join(universal, "zero")
+            return {name: torch.load(os.path.join(zero, name, "fp32.pt"), weights_only=False)["param"].float()
+                    for name in sorted(os.listdir(zero)) if os.path.isfile(os.path.join(zero, name, "fp32.pt"))}
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if _is_zero_partitioned(engine_dir):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        parent, tag = os.path.split(os.path.abspath(engine_dir))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            state = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+        return {k: v.float() for k, v in state.items()}
+    files = sorted(glob.glob(os.path.join(engine_dir, "mp_rank_*_model_states.pt")))
+    if len(files) != 1:
+        raise ConfigError(f"{engine_dir}: expected one mp_rank_*_model_states.pt (ZeRO-0), found {len(files)}.")
+    module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() for k, v in module.items()}
+
+
+def resolve(source: str, checksums: bool = True) -> tuple[str, str]:
+    """``(checkpoints dir, tag)`` for a run directory, its checkpoints/ directory or one checkpoint;
+    the newest complete checkpoint, verified (ConfigError naming a damaged file)."""
+    from dsrl.checkpoint.run_dir import choose, classify
+
+    folder, tags, _, _ = classify(source, source, what="dsrl export")
+    point, _ = choose(folder, tags, explicit=True, checksums=checksums, what="dsrl export")
+    assert point is not None  # choose raises for an explicit source it cannot use
+    return point.ckpt_dir, point.tag
+
+
+def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: bool = False,
+                      engine: str | None = None, checksums: bool = True) -> str:
+    """Write the newest checkpoint of ``source`` (or ``source`` itself, a checkpoint) to ``out`` as a
+    Hugging Face model directory (module doc); ``engine`` names a second engine's sub-directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+        raise ConfigError(f"--out {out}: exists and is not empty. Fix: choose a new directory or pass --overwrite.")
+    ckpt_dir, tag = resolve(source, checksums)
+    engine_dir = os.path.join(ckpt_dir, tag) if engine is None else os.path.join(ckpt_dir, tag, engine)
+    meta = os.path.join(engine_dir, HF_META)
+    if not os.path.isfile(os.path.join(meta, "config.json")):
+        raise ConfigError(f"{engine_dir} has no {HF_META}/config.json (written by dsrl with every checkpoint since "
+                          "export existed). Fix: export a newer checkpoint, or copy the model's config.json and "
+                          f"tokenizer files into {meta}.")
+    config = AutoConfig.from_pretrained(meta, local_files_only=True)
+    out = os.path.abspath(out)
+    state = consolidated_state_dict(engine_dir, scratch=f"{out}.universal.tmp.{os.getpid()}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta or unexpected:
+        raise ConfigError(f"{engine_dir}: the checkpoint does not match {meta}/config.json (missing "
+                          f"{still_meta[:5]}, unexpected {list(unexpected)[:5]}).")
+    del missing
+    target = DTYPES.get(dtype) or getattr(config, "dtype", None) or torch.float32
+    target = DTYPES.get(target, target) if isinstance(target, str) else target
+    model = model.to(target)
+    if os.path.isfile(os.path.join(meta, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(meta, local_files_only=True)
+    tmp = f"{out}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    with contextlib.suppress(OSError, ValueError):
+        AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    return out

@@ -1,0 +1,453 @@
+"""Exactness self-check: ``deepspeed --num_gpus N --module dsrl.check --ds_config FILE``.
+
+On the user's own cluster and ds_config (ZeRO stage, precision, communication settings), runs one
+mini-batch of a tiny causal model through :class:`dsrl.RLEngine` with deliberately uneven
+micro-batches (different counts per rank, a rank holding only padding, fully masked sequences) and
+compares the *applied* update with a single-process float64 full-batch reference on the same data.
+
+The update is measured with plain SGD at a large power-of-two LR (no momentum, no weight decay, no
+clipping), so ``(p_before - p_after) / lr`` is the applied gradient to float32 rounding. The
+reference implements each aggregation mode from its definition, independently of dsrl.core.weights.
+
+The model is a tiny custom one, or a tiny Hugging Face model built from a config when the ds_config
+shards the model by name: a Llama under AutoTP (``tensor_parallel.autotp_size > 1``), a Mixtral
+(MoE) under AutoEP (``expert_parallel``) or with ``--model mixtral``. The reference is the same model,
+unsharded, in float64. Under AutoTP the mini-batch is split over the D data-parallel replicas and
+every tensor peer of a replica gets the same micro-batches; the gathered update is compared per
+parameter (dense and expert parameters alike).
+
+``--objective`` picks the per-token loss whose normalization is checked: ``policy`` (``-A log pi``, the
+default), ``gspo`` (the sequence-level clipped ratio of :func:`dsrl.algos.losses.sequence_clipped_policy_loss`)
+or ``value`` (the critic's clipped value loss, :func:`dsrl.algos.losses.clipped_value_loss`, on a tiny
+``AutoModelForTokenClassification`` value model). Each reference is written from the definition,
+not with dsrl.algos.losses.
+
+The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
+it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl.cli.check_objectives import (
+    HIDDEN,
+    LOSSES,
+    MAX_LEN,
+    OBJECTIVES,
+    VOCAB,
+    per_token_loss,
+    reference_per_token_loss,
+    value_model,
+)
+from dsrl.config.names import LOSS_AGG_MODES
+
+# Powers of two: lr * g is exact. With 2**20, p_after - p_before is dominated by lr * g even for small
+# gradients (the float32 read-back of p_after then costs ~2**-24 relative); fp16 parameters would overflow
+# (max 65504), so fp16 runs keep 2**10.
+LR = float(2**20)
+LR_FP16 = float(2**10)
+MODELS = ("auto", "tiny", "llama", "qwen2", "mixtral")
+# --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
+# counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp)
+METHODS = ("dsrl", "naive", "world_count")
+SPLITS = ("even", "uneven", "pad_rank", "empty")
+# Accepted by --splits but not run by default: token-budget micro-batches from dsrl.core.partition.
+EXTRA_SPLITS = ("token_budget",)
+TOKEN_BUDGET = MAX_LEN  # tight budget: several uneven micro-batches per rank
+
+
+class TinyCausalModel(torch.nn.Module):
+    """Embedding -> causal prefix-mean mixing -> tanh MLP -> logits. Right padding never changes
+    the outputs at earlier positions, so any split into padded micro-batches is exact."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.out = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype).view(1, -1, 1)
+        prefix_mean = h.cumsum(1) / steps
+        return self.out(torch.tanh(self.mix(h + prefix_mean)))
+
+
+def hf_model(arch: str) -> torch.nn.Module:
+    """A tiny Hugging Face causal LM from a config (no download): Llama or Qwen2 (tied embeddings, GQA), or a
+    Mixtral MoE (4 experts, top-2, eager expert loop so the float64 reference runs the same code)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0)
+    if arch in ("qwen2", "llama"):
+        cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+        config = cls(intermediate_size=2 * HIDDEN, tie_word_embeddings=True, **common)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config = MixtralConfig(intermediate_size=HIDDEN, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=False, output_router_logits=False, **common)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager")
+
+
+def build_model(arch: str, objective: str = "policy") -> torch.nn.Module:
+    """The check's model, initialised from the current torch seed."""
+    if objective == "value":
+        return value_model(arch)
+    return TinyCausalModel() if arch == "tiny" else hf_model(arch)
+
+
+def model_for(ds_config: dict, requested: str) -> str:
+    """``--model auto``: the tiny custom model, unless the ds_config shards the model by name (AutoTP ->
+    llama, AutoEP -> mixtral)."""
+    from dsrl.backends.deepspeed.autoep import expert_parallel_enabled
+    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+
+    if requested != "auto":
+        return requested
+    if expert_parallel_enabled(ds_config):
+        return "mixtral"
+    return "llama" if tensor_parallel_size(ds_config) > 1 else "tiny"
+
+
+def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, torch.Tensor]]:
+    """n variable-length sequences with random loss masks; some fully masked (overlong-filtered)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        length = int(torch.randint(2, MAX_LEN + 1, (1,), generator=g))
+        ids = torch.randint(0, VOCAB, (length,), generator=g)
+        targets = torch.randint(0, VOCAB, (length,), generator=g)
+        start = int(torch.randint(0, length, (1,), generator=g))  # prompt part is masked
+        mask = torch.zeros(length, dtype=torch.long)
+        mask[start:] = 1
+        if empty or i % 5 == 3:
+            mask.zero_()
+        adv = torch.randn((), generator=g) * 2
+        seqs.append({"input_ids": ids, "targets": targets, "loss_mask": mask, "advantages": adv})
+    # Per-token data of the gspo/value objectives, from a second stream (the first one's draws stay as they were).
+    g2 = torch.Generator().manual_seed(seed + 7919)
+    for s in seqs:
+        n = s["input_ids"].shape[0]
+        # log pi_old ~ the tiny model's log-probs (about -log VOCAB) with noise: sequence ratios on both sides
+        # of the clip range
+        s["old_logprobs"] = -torch.log(torch.tensor(float(VOCAB))) + 0.3 * torch.randn(n, generator=g2)
+        s["old_values"] = torch.randn(n, generator=g2) * 0.3
+        s["returns"] = 1.0 + 0.5 * torch.randn(n, generator=g2)  # returns near a reward of 1: no cancellation
+    return seqs
+
+
+def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence of this micro-batch."""
+    t = max(s["input_ids"].shape[0] for s in seqs)
+    out = {k: torch.zeros(len(seqs), t, dtype=torch.long) for k in ("input_ids", "targets", "loss_mask")}
+    out.update({k: torch.zeros(len(seqs), t) for k in _FLOAT_KEYS if k in seqs[0]})
+    for i, s in enumerate(seqs):
+        n = s["input_ids"].shape[0]
+        for k in out:
+            out[k][i, :n] = s[k]
+    out["advantages"] = torch.stack([s["advantages"] for s in seqs])
+    return out
+
+
+_FLOAT_KEYS = ("old_logprobs", "old_values", "returns")
+
+
+def _rank_bounds(n: int, world: int, how: str) -> list[int]:
+    if how in ("even", "empty"):
+        per = n // world
+        return [r * per for r in range(world)] + [n]
+    weights = [r + 1 for r in range(world)]
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + max(1, round(n * w / sum(weights))))
+    bounds[-1] = n
+    return bounds
+
+
+def prepare_split(seqs: list[dict], world: int, how: str) -> list[dict]:
+    """The global mini-batch for a split pattern: for ``pad_rank`` the sequences that land on the
+    last rank are fully masked (that rank holds only padding); the reference sees the same data."""
+    if how != "pad_rank" or world == 1:
+        return seqs
+    start = _rank_bounds(len(seqs), world, how)[world - 1]
+    return seqs[:start] + [dict(s, loss_mask=torch.zeros_like(s["loss_mask"])) for s in seqs[start:]]
+
+
+def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[list[dict]]:
+    """This rank's micro-batches (lists of sequences) under a split pattern.
+
+    even: B/world sequences per rank, micro-batches of 2. uneven: rank r gets a share that grows
+    with r, cut into micro-batches of sizes 1, 3, 2, 1, ... so micro-batch counts differ per rank.
+    pad_rank: like uneven; :func:`prepare_split` masks the last rank's sequences.
+    empty: every sequence fully masked (a zero-token mini-batch).
+    token_budget: :func:`dsrl.core.partition.token_budget_micro_batches` with a budget of
+    ``TOKEN_BUDGET`` padded tokens (rank-balanced, varying sequences per micro-batch).
+    """
+    if how == "token_budget":
+        from dsrl.core.partition import token_budget_micro_batches
+
+        lengths = [s["input_ids"].shape[0] for s in seqs]
+        part = token_budget_micro_batches(range(len(seqs)), lengths, world, TOKEN_BUDGET)
+        return [[seqs[i] for i in mb] for mb in part[rank] if mb]
+    bounds = _rank_bounds(len(seqs), world, how)
+    mine = seqs[bounds[rank]:bounds[rank + 1]]
+    if how in ("even", "empty"):
+        return [mine[i:i + 2] for i in range(0, len(mine), 2)]
+    sizes, out, i, k = (1, 3, 2, 1), [], 0, 0
+    while i < len(mine):
+        out.append(mine[i:i + sizes[k % len(sizes)]])
+        i += sizes[k % len(sizes)]
+        k += 1
+    return out
+
+
+def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str,
+                       norm_length: int, objective: str = "policy") -> dict[str, torch.Tensor]:
+    """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition."""
+    ref = copy.deepcopy(model).double()
+    batch = collate(seqs)
+    lt = reference_per_token_loss(ref, batch, objective)
+    mask = batch["loss_mask"].double()
+    n_s = mask.sum(-1)
+    nonempty = n_s > 0
+    if mode == "token-mean":
+        loss = (lt * mask).sum() / mask.sum().clamp(min=1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = (lt * mask).sum(-1)[nonempty] / n_s[nonempty]
+        loss = per_seq.mean() if per_seq.numel() else (lt * 0).sum()
+    elif mode == "seq-mean-token-sum":
+        per_seq = (lt * mask).sum(-1)[nonempty]
+        loss = per_seq.mean() if per_seq.numel() else (lt * 0).sum()
+    elif mode == "seq-mean-token-sum-norm":
+        loss = (lt * mask).sum() / (len(seqs) * norm_length)
+    else:
+        raise ValueError(mode)
+    loss.backward()
+    return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in ref.named_parameters()}
+
+
+def full_parameters(engine: Any) -> dict[str, torch.Tensor]:
+    """Full (unpartitioned, unsharded) float64 copies of the module's parameters by their model names,
+    on every rank (ZeRO-3 partitions, AutoTP shards and AutoEP experts reassembled)."""
+    from dsrl.backends.deepspeed.autoep import full_parameters as gathered
+
+    return gathered(engine)
+
+
+def relative_error(update: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                   ref: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                   only: Callable[[str], bool] = lambda name: True) -> float:
+    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0); tensors are
+    matched by name (mappings) or by position (sequences)."""
+    if not (isinstance(update, Mapping) and isinstance(ref, Mapping)):  # by position (parameters() order)
+        update = {str(i): t for i, t in enumerate(update.values() if isinstance(update, Mapping) else update)}
+        ref = {str(i): t for i, t in enumerate(ref.values() if isinstance(ref, Mapping) else ref)}
+    if update.keys() != ref.keys():
+        raise RuntimeError(f"parameter names differ from the reference: {sorted(update.keys() ^ ref.keys())}")
+    worst = 0.0
+    for name, r in ref.items():
+        if not only(name):
+            continue
+        u = update[name]
+        denom = r.norm().item()
+        err = (u - r).norm().item()
+        worst = max(worst, err / denom if denom > 0 else err)
+    return worst
+
+
+def worst_parameter(update: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str:
+    """The name of the parameter with the largest relative error (for the report)."""
+    return max(ref, key=lambda n: relative_error({n: update[n]}, {n: ref[n]}))
+
+
+def update_ratio(update: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """The least-squares factor f with update ~= f * reference over all parameters (1 when exact)."""
+    num = sum(float((update[n] * r).sum()) for n, r in ref.items())
+    den = sum(float((r * r).sum()) for r in ref.values())
+    return num / den if den > 0 else 1.0
+
+
+def is_expert(name: str) -> bool:
+    """Whether a (Hugging Face) parameter name is an MoE expert weight."""
+    return ".experts." in name
+
+
+def naive_step(engine: Any, micros: list[dict], n_max: int, loss_fn: Any = per_token_loss) -> None:
+    """The common wrong recipe: token-mean per micro-batch, averaged over the rank's micro-batches,
+    then DeepSpeed's average over ranks (kept here to show the check can fail)."""
+    fillers = n_max - len(micros)
+    template = micros[0]
+    for mb in micros + [dict(template, loss_mask=torch.zeros_like(template["loss_mask"]))] * fillers:
+        lt = loss_fn(engine, mb)
+        mask = mb["loss_mask"].to(lt.dtype)
+        loss = (lt * mask).sum() / mask.sum().clamp(min=1) / len(micros)
+        engine.backward(loss, scale_wrt_gas=False)
+    engine.step()
+
+
+def _check_config(ds_config: dict, stage: int, mode: str, batch: int) -> dict:
+    """The run file of one case: the user's ds_config minus optimizer/schedule/logging, plain SGD."""
+    cfg = copy.deepcopy(ds_config)
+    for k in ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
+              "gradient_accumulation_steps", "tensorboard", "csv_monitor", "wandb", "comet"):  # no logging here
+        cfg.pop(k, None)
+    cfg.setdefault("zero_optimization", {})["stage"] = stage
+    cfg["zero_allow_untested_optimizer"] = True
+    cfg["gradient_clipping"] = 0.0
+    cfg["dsrl"] = {
+        "batch": {"prompts_per_rollout": batch // 2, "samples_per_prompt": 2, "mini_batch_size": batch,
+                  "max_tokens_per_micro_batch": 4 * MAX_LEN, "allow_oversize": True, "loss_agg": mode,
+                  "loss_agg_norm_length": MAX_LEN},
+        "run": {"rollouts": 1},
+        "data": {"max_prompt_tokens": 1},
+        "rollout": {"max_new_tokens": MAX_LEN},
+    }
+    return cfg
+
+
+def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, seed: int,
+             arch: str = "tiny", objective: str = "policy") -> dict[str, Any]:
+    import dataclasses
+
+    import dsrl
+    from dsrl.backends.deepspeed.autoep import expert_parallel_enabled, expert_parallel_size, moe_optimizer
+    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+    from dsrl.backends.deepspeed.config import data_parallel_size
+
+    world = dist.get_world_size()
+    replicas = data_parallel_size(ds_config, world)  # tensor peers of a replica get the same data
+    B = 6 * replicas
+    seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty")), replicas, split)
+    torch.manual_seed(seed)
+    model = build_model(arch, objective)
+    reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
+    cfg = _check_config(ds_config, stage, mode, B)
+    fp16 = isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") in (True, "auto")
+    lr = LR_FP16 if fp16 else LR
+    if expert_parallel_enabled(cfg):
+        optimizer: Any = moe_optimizer(lambda groups: torch.optim.SGD(groups, lr=lr))
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    engine = dsrl.initialize(model, cfg, optimizer=optimizer)
+    replica = engine.view.data_parallel_rank
+    before = full_parameters(engine.engine)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(before[name])
+    micros = [collate(part) for part in split_for_rank(seqs, replicas, replica, split)]
+    dtype = next(engine.module.parameters()).dtype
+    dev = engine.device
+    micros = [{k: v.to(dev) for k, v in mb.items()} for mb in micros]
+    for mb in micros:
+        for key in ("advantages", *_FLOAT_KEYS):
+            mb[key] = mb[key].to(dtype)
+    metrics: Any = {}
+    loss_fn = LOSSES[objective]
+    if method == "naive":
+        naive_step(engine.engine, micros, engine.global_counts(micros).max_micro_batches, loss_fn)
+    else:
+        if method == "world_count":  # the double count dsrl must avoid: tensor peers counted as replicas
+            engine.view = dataclasses.replace(engine.view, count_group=None)
+        metrics = engine.train_mini_batch(micros, loss_fn)
+    after = full_parameters(engine.engine)
+    update = {n: (before[n] - after[n]) / lr for n in before}
+    ref = reference_gradient(reference, seqs, mode, MAX_LEN, objective)
+    moe = any(is_expert(n) for n in ref)
+    return {"stage": stage, "loss_agg": mode, "split": split, "method": method, "world_size": world,
+            "objective": objective,
+            "replicas": replicas, "tensor_parallel_size": tensor_parallel_size(cfg), "model": arch,
+            "expert_parallel_size": expert_parallel_size(cfg),
+            "expert_parallel_layers": sum(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules()),
+            "error": relative_error(update, ref), "ratio": update_ratio(update, ref),
+            "worst_parameter": worst_parameter(update, ref),
+            "dense_error": relative_error(update, ref, lambda n: not is_expert(n)) if moe else None,
+            "expert_error": relative_error(update, ref, is_expert) if moe else None,
+            "micro_batches": len(micros), "tokens": metrics.get("tokens")}
+
+
+def tolerance_for(ds_config: dict) -> float:
+    low_precision = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") in (True, "auto")
+                        for k in ("bf16", "fp16"))
+    return 2e-2 if low_precision else 1e-6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsrl.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--ds_config", required=True, help="the run file (ds_config with a dsrl section)")
+    parser.add_argument("--zero_stages", default=None, help="comma list overriding the config's stage, e.g. 0,1,2,3")
+    parser.add_argument("--loss_agg", default="all", help=f"'all' or one of {', '.join(LOSS_AGG_MODES)}")
+    parser.add_argument("--splits", default=",".join(SPLITS),
+                        help=f"comma list of {', '.join(SPLITS + EXTRA_SPLITS)} (default: {', '.join(SPLITS)})")
+    parser.add_argument("--method", default="dsrl",
+                        help="comma list of dsrl, naive, world_count; naive = per-micro-batch mean, world_count = "
+                             "counts summed over the whole world (wrong under tensor parallelism); both are expected "
+                             "to fail (they show the check can fail); only dsrl results count towards the exit code")
+    parser.add_argument("--model", default="auto", choices=MODELS,
+                        help="tiny (custom), llama, qwen2 or mixtral (tiny Hugging Face models); auto = tiny, or llama "
+                             "under AutoTP, mixtral under AutoEP")
+    parser.add_argument("--objective", default="policy",
+                        help=f"comma list of {', '.join(OBJECTIVES)}: the per-token loss checked (policy = -A log pi; "
+                             "gspo = sequence-level clipped ratio; value = the critic's clipped value loss)")
+    parser.add_argument("--tolerance", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write every case's result to this file (rank 0)")
+    parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    from dsrl.backends.deepspeed.engine import ensure_distributed
+    from dsrl.config import load_config
+
+    raw = load_config(args.ds_config).to_dict()
+    ensure_distributed()
+    stage0 = (raw.get("zero_optimization") or {}).get("stage", 0)
+    stages = [int(s) for s in args.zero_stages.split(",")] if args.zero_stages else [int(stage0)]
+    modes = list(LOSS_AGG_MODES) if args.loss_agg == "all" else args.loss_agg.split(",")
+    splits = args.splits.split(",")
+    tol = args.tolerance if args.tolerance is not None else tolerance_for(raw)
+    rank = dist.get_rank()
+    results, worst = [], 0.0
+    methods = args.method.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--method {','.join(unknown)}: not one of {', '.join(METHODS)}")
+    objectives = args.objective.split(",")
+    unknown = sorted(set(objectives) - set(OBJECTIVES))
+    if unknown:
+        parser.error(f"--objective {','.join(unknown)}: not one of {', '.join(OBJECTIVES)}")
+    arch = model_for(raw, args.model)
+    for objective in objectives:
+        for stage in stages:
+            for mode in modes:
+                for split in splits:
+                    for method in methods:
+                        res = run_case(raw, stage, mode, split, method, args.seed, arch, objective)
+                        results.append(res)
+                        if method == "dsrl":
+                            worst = max(worst, res["error"])
+                        if rank == 0:
+                            print(f"{objective:<6} ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} "
+                                  f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
+                                  f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
+    if rank == 0 and args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"tolerance": tol, "results": results}, f, indent=1)
+    if "dsrl" not in methods:
+        worst = max(r["error"] for r in results)
+    if rank == 0:
+        print(f"max relative gradient error: {worst:.3e}", flush=True)
+    dist.barrier()
+    return 0 if worst <= tol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

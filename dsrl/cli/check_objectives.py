@@ -1,0 +1,90 @@
+"""The per-token losses ``dsrl.check --objective`` checks, each with its float64 reference from the definition.
+
+- ``policy``: ``-A_seq * log pi(next token)`` (a policy-gradient-shaped loss on a tiny causal model);
+- ``gspo``: the sequence-level clipped ratio, :func:`dsrl.algos.losses.sequence_clipped_policy_loss` (clip
+  ``RATIO_CLIP`` both ways; the check's old log-probs put sequence ratios on both sides of it);
+- ``value``: the critic's clipped value loss, :func:`dsrl.algos.losses.clipped_value_loss` (``VALUE_CLIP``), on
+  the critic's architecture, a tiny ``AutoModelForTokenClassification`` with one label.
+
+The dsrl side calls dsrl.algos.losses; the reference side (:func:`reference_per_token_loss`) is written
+independently, in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB, HIDDEN, MAX_LEN = 32, 16, 12  # the check's tiny models (dsrl.check)
+OBJECTIVES = ("policy", "gspo", "value")
+RATIO_CLIP = 0.1  # gspo objective: clip_low = clip_high (the data's ratios fall on both sides of it)
+VALUE_CLIP = 0.2  # value objective: |V - V_old| <= VALUE_CLIP
+
+
+def value_model(arch: str) -> torch.nn.Module:
+    """The critic's architecture (dsrl.critic): a tiny ``AutoModelForTokenClassification`` with one label and no
+    head dropout, Qwen2 (``tiny``/``auto``) or Llama."""
+    from transformers import AutoModelForTokenClassification, LlamaConfig, Qwen2Config
+
+    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    config = cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0,
+                 intermediate_size=2 * HIDDEN, num_labels=1, classifier_dropout=0.0)
+    return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+
+
+def _logprobs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(micro["input_ids"])
+    logits = getattr(logits, "logits", logits)  # a transformers model returns an output object
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+
+
+def per_token_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A policy-gradient-shaped loss: -A_seq * log pi(next token), ``[b, t]``."""
+    logp = _logprobs(model, micro)
+    return -micro["advantages"].unsqueeze(-1).to(logp.dtype) * logp
+
+
+def gspo_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """dsrl's GSPO per-token loss (:func:`dsrl.algos.losses.sequence_clipped_policy_loss`), ``[b, t]``."""
+    from dsrl.algos.losses import sequence_clipped_policy_loss
+
+    logp = _logprobs(model, micro)
+    return sequence_clipped_policy_loss(logp, micro["old_logprobs"].to(logp.dtype), micro["advantages"].to(logp.dtype),
+                                        micro["loss_mask"], RATIO_CLIP, RATIO_CLIP)[0]
+
+
+def value_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """dsrl's critic loss (:func:`dsrl.algos.losses.clipped_value_loss`) on the value model's output, ``[b, t]``."""
+    from dsrl.algos.losses import clipped_value_loss
+    from dsrl.rl.critic import forward_values
+
+    values = forward_values(model, {"input_ids": micro["input_ids"], "position_ids": None})
+    return clipped_value_loss(values, micro["old_values"].to(values.dtype), micro["returns"].to(values.dtype),
+                              VALUE_CLIP)[0]
+
+
+LOSSES = {"policy": per_token_loss, "gspo": gspo_loss, "value": value_loss}
+
+
+def reference_per_token_loss(model: Any, batch: dict[str, torch.Tensor], objective: str) -> torch.Tensor:
+    """The objective's per-token loss in float64, written from its definition (masked positions arbitrary)."""
+    mask = batch["loss_mask"].double()
+    if objective == "value":
+        out = model(batch["input_ids"])
+        v = out.logits[..., 0]
+        r, v_old = batch["returns"].double(), batch["old_values"].double()
+        v_clipped = torch.minimum(torch.maximum(v, v_old - VALUE_CLIP), v_old + VALUE_CLIP)
+        return 0.5 * torch.maximum((v - r) ** 2, (v_clipped - r) ** 2)
+    logits = model(batch["input_ids"])
+    logits = getattr(logits, "logits", logits)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+    adv = batch["advantages"].double()
+    if objective == "policy":
+        return -adv.unsqueeze(-1) * logp
+    # gspo: one ratio per sequence, s_i = exp(mean over its valid tokens of log pi - log pi_old)
+    diff = torch.where(mask > 0, logp - batch["old_logprobs"].double(), torch.zeros_like(logp))
+    s = torch.exp(diff.sum(-1) / mask.sum(-1).clamp(min=1))
+    per_seq = -torch.minimum(s * adv, s.clamp(1 - RATIO_CLIP, 1 + RATIO_CLIP) * adv)
+    return per_seq.unsqueeze(-1).expand_as(logp)

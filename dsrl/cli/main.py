@@ -1,0 +1,204 @@
+"""The ``dsrl`` command: ``dsrl plan`` prints the batch plan; ``dsrl export`` writes a checkpoint as a
+Hugging Face model directory; ``dsrl plot`` draws a run's curves; ``dsrl check`` explains the self-check.
+
+``dsrl plan --ds_config FILE [--world_size N] [--dataset_size M] [--lengths FILE] [--json] [--dsrl.x.y V ...]``
+``dsrl export RUN_OR_CHECKPOINT_DIR --out DIR [--dtype auto|float32|bfloat16|float16] [--overwrite]``
+``dsrl plot RUN_DIR [--out FILE.png]``   (needs matplotlib: reward, accuracy, entropy, KL, LR per step)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from dsrl.config import Config, ConfigError, load_config, parse_override_args
+from dsrl.core.errors import RunError
+from dsrl.core.plan import BatchPlan
+
+
+def _dataset_size(cfg: Config, given: int | None) -> int | None:
+    """--dataset_size, else the configured prompts' count (built-in task size or rows of the file)."""
+    if given is not None:
+        return given
+    try:
+        from dsrl.rl.data import dataset_size
+
+        return dataset_size(cfg.dsrl.data)
+    except (ImportError, OSError, ValueError):
+        if cfg.dsrl.run.epochs is not None:
+            raise  # run.epochs needs the size: the data error (naming its field) is the useful one
+        return None
+
+
+def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
+                      lengths: list[int] | None = None, on_gpu: bool | None = None) -> tuple[BatchPlan, dict[str, Any]]:
+    """The plan plus what `dsrl plan` reports beside it (DeepSpeed fields, LR at first/last step).
+
+    The ds_config is validated as ``dsrl.initialize`` validates it (DeepSpeed's own classes), for this
+    machine's accelerator unless ``on_gpu`` says otherwise.
+    """
+    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+    from dsrl.backends.deepspeed.config import data_parallel_size, sequence_parallel_size
+    from dsrl.backends.deepspeed.schedule import base_lr, lr_curve
+    from dsrl.backends.deepspeed.validation import accelerator_is_gpu, validated_deepspeed_config
+
+    if world_size <= 0:
+        raise ConfigError(f"--world_size {world_size} must be a positive number of ranks")
+    plan = BatchPlan.from_config(cfg, data_parallel_size(cfg.ds_config, world_size), dataset_size)
+    on_gpu = accelerator_is_gpu() if on_gpu is None else on_gpu
+    _, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu)
+    if cfg.dsrl.has_critic:
+        from dsrl.rl.critic import check_critic
+
+        check_critic(cfg, world_size, dataset_size, on_gpu)
+    lr = base_lr(cfg)
+    first, last = lr_curve(spec, lr if lr is not None else 1.0, [1, plan.total_optimizer_steps])
+    extra: dict[str, Any] = {
+        "world_size": world_size,
+        "tensor_parallel_size": tensor_parallel_size(cfg.ds_config),
+        "sequence_parallel_size": sequence_parallel_size(cfg.ds_config),
+        "accelerator": "gpu" if on_gpu else "cpu",
+        "scheduler": f"{spec.source}:{spec.name}",
+        "lr_first_step": first,
+        "lr_last_step": last,
+        "lr_unit": "absolute" if lr is not None else "fraction of the optimizer lr",
+        "gradient_clipping": cfg.ds_config.get("gradient_clipping", 1.0),
+    }
+    if lengths is not None and plan.token_budget_mode:
+        from dsrl.core.partition import expected_token_budget_stats
+
+        extra["token_budget"] = expected_token_budget_stats(plan, lengths, cfg.dsrl.batch)
+    return plan, extra
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def _quiet_deepspeed_logs() -> None:
+    """Keep stdout machine-readable and DeepSpeed's log below ERROR out of `dsrl plan`: its logger writes
+    to stdout, even at import time (where it announces the accelerator it picked, which the plan shows
+    as a row). Its warnings during validation are dsrl's errors (dsrl.backends.deepspeed.validation)."""
+    import contextlib
+
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)  # the same object once: added at most once
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.utils.logging import logger
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsrl plan", description="Print the batch plan of a run file.")
+    parser.add_argument("--ds_config", required=True)
+    parser.add_argument("--world_size", type=int, default=1, help="total ranks (default 1)")
+    parser.add_argument("--dataset_size", type=int, default=None, help="prompts in the dataset (for run.epochs)")
+    parser.add_argument("--lengths", default=None,
+                        help="token-budget mode: a file of sequence lengths (one per line, or a JSON list) "
+                             "to estimate micro-batches per step and padding")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args, rest = parser.parse_known_args(argv)
+    _quiet_deepspeed_logs()
+    cfg = load_config(args.ds_config, parse_override_args(rest))
+    lengths = None
+    if args.lengths:
+        with open(args.lengths, encoding="utf-8") as f:
+            text = f.read().strip()
+        lengths = json.loads(text) if text.startswith("[") else [int(x) for x in text.split()]
+    plan, extra = build_plan_report(cfg, args.world_size, _dataset_size(cfg, args.dataset_size), lengths)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), **extra}, indent=1, sort_keys=True))
+        return 0
+    rows = plan.describe()
+    ds = plan.deepspeed_batch_fields()
+    rows.insert(1, ("ranks per replica", f"{extra['tensor_parallel_size'] * extra['sequence_parallel_size']} "
+                                         f"(autotp_size {extra['tensor_parallel_size']} x sequence_parallel_size "
+                                         f"{extra['sequence_parallel_size']}); D = world / that"))
+    rows += [
+        ("ds_config validated for", f"the {extra['accelerator']} accelerator (DeepSpeed's own config classes)"),
+        ("DeepSpeed train_batch_size", str(ds["train_batch_size"])),
+        ("DeepSpeed train_micro_batch_size_per_gpu", str(ds["train_micro_batch_size_per_gpu"] or "varies")),
+        ("DeepSpeed gradient_accumulation_steps", str(ds["gradient_accumulation_steps"] or "varies")),
+        ("LR schedule", extra["scheduler"]),
+        ("LR at first / last step", f"{extra['lr_first_step']:.4g} / {extra['lr_last_step']:.4g} "
+                                    f"({extra['lr_unit']})"),
+    ]
+    if "token_budget" in extra:
+        tb = extra["token_budget"]
+        rows += [
+            ("expected micro-batches per step", f"{tb['micro_batches_per_step']:.2f} per rank"),
+            ("expected padded-token fraction", f"{tb['padding_fraction']:.2%}"),
+            ("expected max/mean rank load", f"{tb['max_over_mean_load']:.3f}"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    print(f"dsrl plan for {cfg.source} on {args.world_size} rank(s)")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsrl export", description="Write a checkpoint as a Hugging Face model "
+                                     "directory (safetensors, config, generation config, tokenizer).")
+    parser.add_argument("source", help="a run's output directory (its newest checkpoint), its checkpoints/ "
+                                       "directory, or one checkpoint directory")
+    parser.add_argument("--out", required=True, help="the model directory to write")
+    parser.add_argument("--dtype", default="auto", help="auto (the training dtype) | float32 | bfloat16 | float16")
+    parser.add_argument("--engine", default=None, help="sub-directory of a second engine inside the checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--no_checksums", action="store_true", help="verify file sizes only")
+    args = parser.parse_args(argv)
+    _quiet_deepspeed_logs()
+    from dsrl.checkpoint.export import export_checkpoint
+
+    out = export_checkpoint(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, engine=args.engine,
+                            checksums=not args.no_checksums)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsrl plot", description="Write a run's curves (PNG) from its metrics.jsonl.")
+    parser.add_argument("run_dir", help="the run's dsrl.run.output_dir")
+    parser.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/curves.png)")
+    args = parser.parse_args(argv)
+    from dsrl.runtime.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\nSelf-check on your cluster: deepspeed --num_gpus N --module dsrl.check --ds_config FILE")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd == "plan":
+            return cmd_plan(rest)
+        if cmd == "export":
+            return cmd_export(rest)
+        if cmd == "plot":
+            return cmd_plot(rest)
+        if cmd == "check":
+            from dsrl.cli.check import main as check_main
+
+            return check_main(rest)
+    except ConfigError as e:
+        print(f"dsrl: configuration error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"dsrl: error: {e}", file=sys.stderr)
+        return 1
+    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export', 'plot' or 'check')", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Seeds derived from the run seed: every random stream of a run (generation, shuffles, ranks) is a
+pure function of ``run.seed`` and integers such as the rollout index, the sampling round and the replica,
+so a resumed run draws exactly what an uninterrupted one would."""
+
+from __future__ import annotations
+
+
+def derived_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (run seed, rollout, round, rank...), stable across runs."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & 0x7FFFFFFFFFFFFFFF
+    return h

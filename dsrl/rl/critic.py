@@ -1,0 +1,159 @@
+"""The critic of algorithms with a value model (``ppo``): a second :class:`dsrl.backends.deepspeed.engine.RLEngine`.
+
+The value model is ``transformers.AutoModelForTokenClassification`` with one label: the causal LM's
+backbone plus a linear ``score`` head giving one scalar per position (loaded from ``critic.path``, a
+causal-LM checkpoint whose head is then new, or built like the policy's tiny model). Dropout in the
+head is switched off, so a value forward is a deterministic function of the weights. The value at the
+position whose target is completion token t is V(s_t), the estimate before emitting that token, and
+lines up with the policy's log-probs (:mod:`dsrl.algos.gae`).
+
+Invariants kept here:
+
+- the critic's run file is the policy's with the ``dsrl.critic`` sections swapped in
+  (:func:`critic_config`): the same batch plan and parallel layout, so the critic trains on exactly
+  the policy's micro-batches, one optimizer step per mini-batch, with its own optimizer, ZeRO stage
+  and LR schedule whose horizon is the critic's own step count (warm-up rollouts included);
+- the value loss (:func:`dsrl.algos.losses.clipped_value_loss`) is aggregated ``token-mean`` over the
+  mini-batch by the same step core as the policy loss: exact under any split, ZeRO stage or rank count;
+- every forward goes through the engine and through :meth:`RLEngine.forward_no_grad` /
+  :meth:`RLEngine.train_mini_batch`, so every rank runs the same number of forwards and backwards
+  (ZeRO-3 gathers parameters in each one).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dsrl.algos.losses import clipped_value_loss
+from dsrl.config import Config, ConfigError, load_config
+from dsrl.config.names import TOKEN_MEAN
+
+# ds_config sections that write files: the critic's engine leaves them to the policy's (dsrl logs the
+# critic's metrics through the policy engine's monitor, with a "critic_" prefix).
+_MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+
+
+def critic_config(cfg: Config) -> Config:
+    """The critic's run file: the policy's, with every set ``dsrl.critic`` section swapped in, ``token-mean``
+    aggregation, and a plan whose horizon is the critic's own steps (every rollout, no supervised warm-up)."""
+    c = cfg.dsrl.critic
+    ds = copy.deepcopy(cfg.ds_config)
+    for key in _MONITORS:
+        ds.pop(key, None)
+    if c.zero_optimization is not None:
+        ds["zero_optimization"] = copy.deepcopy(c.zero_optimization)
+    if c.optimizer is not None:
+        ds["optimizer"] = copy.deepcopy(c.optimizer)
+    if c.lr is not None:
+        opt = ds.get("optimizer")
+        if not isinstance(opt, dict):
+            raise ConfigError("dsrl.critic.lr is set but neither dsrl.critic.optimizer nor the ds_config has an "
+                              "optimizer section to set it in. Fix: add an \"optimizer\" section.")
+        opt.setdefault("params", {})["lr"] = c.lr
+    if c.gradient_clipping is not None:
+        ds["gradient_clipping"] = c.gradient_clipping
+    section = cfg.dsrl.model_dump()
+    if c.scheduler is not None:
+        ds["scheduler"] = copy.deepcopy(c.scheduler)
+        section["scheduler"] = {}  # the critic's own schedule replaces a transformers named one
+    section["batch"]["loss_agg"] = TOKEN_MEAN
+    section["critic"]["warmup_rollouts"] = 0
+    section["sft"]["steps"] = 0  # the supervised warm-up trains the policy only
+    return load_config({**ds, "dsrl": section})
+
+
+def check_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> Any:
+    """Validate the critic's half of the run file as the policy's is (DeepSpeed's own classes, the schedule
+    with the critic's horizon) before any model is built; returns the critic's BatchPlan."""
+    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+    from dsrl.backends.deepspeed.config import data_parallel_size, sequence_parallel_size
+    from dsrl.backends.deepspeed.validation import validated_deepspeed_config
+    from dsrl.core.plan import BatchPlan
+
+    ccfg = critic_config(cfg)
+    if tensor_parallel_size(ccfg.ds_config) > 1 or sequence_parallel_size(ccfg.ds_config) > 1:
+        raise ConfigError("dsrl.algorithm.name = 'ppo': the critic does not run under AutoTP or Ulysses sequence "
+                          "parallelism yet. Fix: use a data-parallel layout (ZeRO 0-3), or a critic-free algorithm.")
+    plan = BatchPlan.from_config(ccfg, data_parallel_size(ccfg.ds_config, world_size), dataset_size)
+    try:
+        validated_deepspeed_config(ccfg, plan, on_gpu=on_gpu)
+    except ConfigError as e:
+        raise ConfigError(f"the critic's run file (the policy's with dsrl.critic swapped in): {e}") from None
+    return plan
+
+
+def build_value_model(cfg: Config, tokenizer: Any, on_gpu: bool, seed: int) -> torch.nn.Module:
+    """``AutoModelForTokenClassification(num_labels=1)`` from ``critic.path``, else ``model.path``, else the
+    tiny model of ``model.arch``/``model.tiny`` (seeded like the policy); head dropout off, train mode."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from dsrl.rl.models import resolve_dtype, tiny_config
+
+    d = cfg.dsrl
+    dtype = resolve_dtype(d.model.dtype, on_gpu)
+    attn = {"attn_implementation": d.model.attn_implementation} if d.model.attn_implementation else {}
+    path = d.critic.path or d.model.path
+    if path:
+        where = "dsrl.critic.path" if d.critic.path else "dsrl.model.path"
+        if not os.path.isdir(path):
+            raise ConfigError(f"{where} = {path!r} is not a directory. Fix: point it at a local Hugging Face model "
+                              "directory (config.json + weights).")
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, local_files_only=True,
+                                                                dtype=dtype, **attn)
+    else:
+        config = tiny_config(d.model.arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
+                             tokenizer.eos_token_id, d.model.tiny)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForTokenClassification.from_config(config, dtype=dtype, **attn)
+    if d.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def forward_values(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """V(s_t) at every position of a collated micro-batch, ``[b, t]`` float32 (padded or packed rows)."""
+    out = model(input_ids=micro["input_ids"], attention_mask=micro.get("attention_mask"),
+                position_ids=micro["position_ids"], use_cache=False)
+    return out.logits[..., 0].float()
+
+
+class Critic:
+    """The value model's RLEngine and the three things the trainer asks of it: rollout values, one exact
+    optimizer step per mini-batch, and its part of a checkpoint (``rl``, saved as a companion)."""
+
+    def __init__(self, rl: Any, value_clip: float | None):
+        self.rl = rl
+        self.value_clip = value_clip
+
+    @classmethod
+    def build(cls, cfg: Config, tokenizer: Any, on_gpu: bool, dataset_size: int | None) -> Critic:
+        from dsrl.backends.deepspeed.engine import initialize
+
+        ccfg = critic_config(cfg)
+        model = build_value_model(ccfg, tokenizer, on_gpu, seed=cfg.dsrl.run.seed)
+        return cls(initialize(model, ccfg, dataset_size=dataset_size), cfg.dsrl.critic.value_clip)
+
+    def values(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The rollout's values per micro-batch (``[b, t]`` on the CPU), before any update; every rank runs
+        the same number of forwards."""
+        return self.rl.forward_no_grad(micro_batches, lambda model, micro: forward_values(model, micro).cpu())
+
+    def loss_fn(self, model: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token clipped value loss and metrics (the new values, the returns, the clip indicator)."""
+        values = forward_values(model, micro)
+        loss, m = clipped_value_loss(values, micro["old_values"], micro["returns"], self.value_clip)
+        return loss, {"vf_clip_frac": m["vf_clip_frac"], "value": values.detach(), "return": micro["returns"]}
+
+    def train_mini_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
+        """One exact optimizer step of the critic over the same micro-batches the policy steps on."""
+        return self.rl.train_mini_batch(micro_batches, self.loss_fn)

@@ -1,0 +1,299 @@
+"""One rollout's experience on this rank: prompts -> completions -> rewards -> filters -> log-probs -> advantages.
+
+Invariants kept by :class:`ExperienceMaker`:
+
+- the prompt sampler is identical on every rank; the P prompts of a rollout are split into
+  contiguous slices of P/D prompts, one per data-parallel replica, and a replica generates all G
+  completions of each of its prompts (whole groups stay on one rank, so group statistics need no
+  communication);
+- generation is seeded from (run seed, rollout, sampling round, replica), so a resumed run
+  regenerates the same completions; the ranks of one replica (tensor-parallel peers) generate
+  together and then adopt their source's scored samples, and only sources count them in the
+  rollout statistics (:mod:`dsrl.rl.replica_data`);
+- a non-finite reward, or an overlong-filtered completion, masks its sample (it contributes no
+  token to any count); dynamic sampling (DAPO) refills zero-variance groups with one MAX all-reduce
+  per round, and every rank runs the same number of rounds (under ZeRO-3 each round is a collective
+  parameter gather);
+- a learned reward model (``data.reward_model``) scores every rank's completions before the tensor
+  peers adopt their source's samples; under ZeRO-3 every rank runs the same number of its forwards
+  (:mod:`dsrl.rl.reward_model`), whatever number of prompts it drew;
+- old (and reference) log-probs -- and with a critic the old values -- are computed once per rollout,
+  before any update, with the same number of forwards on every rank; with ``kl_in = "reward"`` the
+  summed k1 KL is subtracted from the reward there (with a critic: ``-kl_coef * k1`` on every token
+  of the GAE rewards instead); advantages come last: group advantages from the penalised rewards, or
+  GAE per token from the critic's values, whitened over the whole rollout's valid tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl import algos
+from dsrl.algos.losses import kl_estimate
+from dsrl.core.collectives import all_reduce_floats
+from dsrl.core.logprobs import token_logprobs
+from dsrl.core.seeds import derived_seed
+from dsrl.rl.batching import Sample, chunks, collate, completion_positions
+from dsrl.rl.models import forward_logits
+from dsrl.rl.replica_data import is_source, share_with_tensor_peers
+
+
+class _NoWatch:
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        yield
+
+
+_NO_WATCH = _NoWatch()
+
+
+@dataclass
+class RolloutStats:
+    """This rank's sums over one rollout; :meth:`summed` adds them up over all ranks."""
+
+    samples: float = 0.0
+    finite_rewards: float = 0.0  # samples whose reward is finite
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    scored_accuracy: float = 0.0  # samples with an accuracy value
+    accuracy_sum: float = 0.0
+    completion_tokens: float = 0.0
+    masked_samples: float = 0.0
+    truncated_samples: float = 0.0
+    groups_generated: float = 0.0
+    groups_zero_variance: float = 0.0
+    reward_timeouts: float = 0.0  # samples masked because their reward call ran past data.reward_timeout_s
+    reward_model_fillers: float = 0.0  # reward-model forwards run only to match other ranks' counts (ZeRO-3)
+    rollout_s: float = 0.0
+    train_s: float = 0.0
+
+    def add_samples(self, samples: list[Sample]) -> None:
+        """Count the final (kept) samples of this rank."""
+        finite = [s.reward for s in samples if math.isfinite(s.reward)]
+        accs = [s.accuracy for s in samples if s.accuracy is not None]
+        self.samples += len(samples)
+        self.finite_rewards += len(finite)
+        self.reward_sum += sum(finite)
+        self.reward_sq_sum += sum(r * r for r in finite)
+        self.scored_accuracy += len(accs)
+        self.accuracy_sum += sum(accs)
+        self.completion_tokens += sum(s.completion_len for s in samples)
+        self.masked_samples += sum(not s.active for s in samples)
+        self.truncated_samples += sum(not s.finished for s in samples)
+
+    def summed(self, device: Any = "cpu") -> RolloutStats:
+        """The same fields summed over every rank (one all-reduce)."""
+        names = [f.name for f in fields(self)]
+        totals = all_reduce_floats([getattr(self, n) for n in names], device=device)
+        return RolloutStats(**dict(zip(names, totals)))
+
+
+class ExperienceMaker:
+    """Generates, scores and prepares this rank's samples of each rollout (module docstring)."""
+
+    def __init__(self, trainer: Any):
+        # The trainer owns the engine, backend, data and RNG; this class only reads them.
+        self.t = trainer
+        self.d = trainer.d
+
+    # -- prompts and generation -------------------------------------------------------------------
+    def _draw(self) -> list[int]:
+        """The next P prompt indices (same on every rank) cut to this replica's slice."""
+        t = self.t
+        idx = t.sampler.next_indices()
+        t.prompts_drawn += len(idx)
+        per, replica = t.plan.prompts_per_rank, t.replica
+        return idx[replica * per:(replica + 1) * per]
+
+    def _generate_groups(self, indices: list[int], seed: int) -> list[list[Sample]]:
+        t, d = self.t, self.d
+        records = [t.prompts[i] for i in indices]
+        prompt_ids = t.encode(t.tokenizer, [r["prompt"] for r in records], d.data.max_prompt_tokens,
+                              d.data.chat_template) if records else []
+        watch = getattr(t, "watch", None) or _NO_WATCH  # bounded phase ends (dsrl.runtime.watchdog)
+        with watch.phase("generation"):
+            # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
+            completions = t.backend.generate(prompt_ids, t.plan.samples_per_prompt, seed=seed)
+        with watch.phase("reward"):
+            scores = None
+            if t.reward_model is not None:  # on every rank: a sharded reward model's forwards are collective
+                before = t.reward_model.filler_forwards
+                scores = t.reward_model.score([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
+                self._rm_fillers += t.reward_model.filler_forwards - before
+            # Tensor peers adopt their source's scored samples (dsrl.rl.replica_data rule 2).
+            return share_with_tensor_peers(t.rl.view, lambda: self._score(indices, records, completions, scores))
+
+    def _score(self, indices: list[int], records: list[dict], completions: list,
+               model_scores: list[float] | None = None) -> list[list[Sample]]:
+        """Rewards (and accuracies) of one round's completions, as one group of samples per prompt:
+        ``rule_reward_weight * rule reward + reward_model_weight * reward-model score`` (each when present)."""
+        t, data = self.t, self.d.data
+        if not completions:
+            return []
+        texts = t.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+        prompts_rep = [records[c.prompt_index]["prompt"] for c in completions]
+        answers_rep = [records[c.prompt_index].get("answer") for c in completions]
+        rewards = [0.0] * len(completions)
+        if t.reward_fn is not None:
+            rewards = [data.rule_reward_weight * float(r) for r in t.reward_fn(prompts_rep, texts, answers_rep)]
+        if model_scores is not None:
+            rewards = [r + data.reward_model_weight * m for r, m in zip(rewards, model_scores)]
+        accs = t.accuracy_fn(prompts_rep, texts, answers_rep) if t.accuracy_fn else [None] * len(texts)
+        groups: list[list[Sample]] = [[] for _ in indices]
+        for c, r, acc in zip(completions, rewards, accs):
+            groups[c.prompt_index].append(Sample(
+                tokens=list(c.prompt_ids) + list(c.completion_ids), prompt_len=len(c.prompt_ids),
+                group=indices[c.prompt_index], reward=r, finished=bool(c.finished), accuracy=acc))
+        return groups
+
+    def _shape_rewards(self, samples: list[Sample]) -> None:
+        """DAPO overlong shaping and filtering; non-finite rewards mask their sample."""
+        a = self.d.algorithm
+        if a.overlong_buffer > 0:
+            lengths = torch.tensor([s.completion_len for s in samples], dtype=torch.float64)
+            pen = algos.overlong_shaping(lengths, self.d.rollout.max_new_tokens, a.overlong_buffer,
+                                         a.overlong_penalty)
+            for s, p in zip(samples, pen.tolist()):
+                s.reward += p
+        for s in samples:
+            if (a.overlong_filter and not s.finished) or not math.isfinite(s.reward):
+                s.active = False
+
+    def collect(self, rollout_index: int) -> tuple[list[Sample], RolloutStats, int]:
+        """This replica's P/D prompt groups of G samples with shaped rewards (dynamic sampling
+        included), their statistics, and the number of sampling rounds (equal on every rank)."""
+        t = self.t
+        mine = self._draw()
+        per = len(mine)
+        rounds, kept, spare = 0, [], []
+        stats = RolloutStats()
+        self._rm_fillers = 0
+        dynamic = t.algo.dynamic_sampling
+        take = mine
+        while True:
+            seed = derived_seed(self.d.run.seed, rollout_index, rounds, t.replica)
+            groups = self._generate_groups(take, seed)
+            rounds += 1
+            counted = float(is_source(t.rl.view))  # statistics count each replica's data once
+            stats.reward_timeouts += counted * getattr(t.reward_fn, "take_timeouts", int)()
+            for g in groups:
+                self._shape_rewards(g)
+                flat = bool(algos.zero_variance_groups(masked_rewards(g), len(g))[0])
+                stats.groups_generated += counted
+                stats.groups_zero_variance += counted * float(flat)
+                (spare if (dynamic and flat) else kept).append(g)
+            if not dynamic:
+                break
+            need = per - len(kept)
+            global_need = all_reduce_floats([max(need, 0)], dist.ReduceOp.MAX, t.device)[0]
+            if global_need <= 0 or rounds >= self.d.algorithm.max_sampling_rounds:
+                break
+            take = self._draw()[:max(need, 0)]
+        kept = (kept + spare)[:per]  # after the last round, zero-variance groups fill any gap
+        stats.reward_model_fillers = float(self._rm_fillers)
+        return [s for g in kept for s in g], stats, rounds
+
+    # -- log-probs and advantages -----------------------------------------------------------------
+    def _logprob_fn(self):
+        temp = self.d.rollout.temperature
+
+        def fn(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+            logits = forward_logits(model, micro)
+            return token_logprobs(logits, micro["targets"], temp).float().cpu()
+
+        return fn
+
+    def score_logprobs(self, samples: list[Sample]) -> None:
+        """Old (and reference) log-probs of every local sample, once per rollout, before any update;
+        with ``kl_in = "reward"`` the reward is penalised by the summed k1 KL here."""
+        t = self.t
+        groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
+        micros = [collate(g, t.pad_id, t.device, with_logprobs=False) for g in groups]
+        fn = self._logprob_fn()
+        outs = t.rl.forward_no_grad(micros, fn)
+        for g, lp in zip(groups, outs):
+            for s, row, sl in zip(g, lp, completion_positions(g)):
+                s.old_logprobs = row[sl].tolist()
+        if t.critic is not None:
+            for g, values in zip(groups, t.critic.values(micros)):
+                for s, row, sl in zip(g, values, completion_positions(g)):
+                    s.values = row[sl].tolist()
+        if t.ref_model is None:
+            return
+        with torch.no_grad():
+            for g, micro in zip(groups, micros):
+                lp = fn(t.ref_model, micro)
+                for s, row, sl in zip(g, lp, completion_positions(g)):
+                    s.ref_logprobs = row[sl].tolist()
+        if self.d.algorithm.kl_in == "reward" and t.critic is None:  # with a critic: per token, in gae_advantages
+            coef = self.d.algorithm.kl_coef
+            for s in samples:
+                kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1").sum().item()
+                s.reward -= coef * kl
+
+    def advantages(self, samples: list[Sample]) -> None:
+        """Group advantages from the (penalised) rewards; masked samples get 0."""
+        adv = algos.compute_advantages(self.d.algorithm.name, masked_rewards(samples), self.t.plan.samples_per_prompt,
+                                       normalize_std=self.t.algo.normalize_std)
+        for s, v in zip(samples, adv.tolist()):
+            s.advantage = v if (s.active and math.isfinite(v)) else 0.0
+
+    def gae_advantages(self, samples: list[Sample]) -> None:
+        """Per-token advantages and returns by GAE from the critic's rollout values (:mod:`dsrl.algos.gae`),
+        whitened over the valid tokens of the whole rollout when ``normalize_std`` (one all-reduce; tensor
+        peers count once). Masked samples get zero advantages."""
+        a, t = self.d.algorithm, self.t
+        lengths = [len(s.values) if s.active else 0 for s in samples]
+        penalties = None
+        if t.ref_model is not None and a.kl_in == "reward":
+            penalties = [(-a.kl_coef * kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs),
+                                                   "k1")).tolist() for s in samples]
+        rewards = algos.token_rewards([s.reward if s.active else 0.0 for s in samples], lengths, penalties)
+        width = rewards.shape[1]
+        values = torch.zeros_like(rewards)
+        for i, s in enumerate(samples):
+            values[i, :lengths[i]] = torch.tensor(s.values[:lengths[i]], dtype=torch.float64)
+        mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        adv, returns = algos.gae(rewards, values, mask, a.gamma, a.lam)
+        if t.algo.normalize_std:
+            counted = float(is_source(t.rl.view))
+            picked = adv[mask]
+            n, total, sq = all_reduce_floats([counted * picked.numel(), counted * float(picked.sum()),
+                                              counted * float(picked.square().sum())], device=t.device)
+            mean = total / n if n else 0.0
+            std = math.sqrt(max(sq / n - mean * mean, 0.0)) if n else 1.0
+            adv = algos.whiten(adv, mask, mean, std)
+        for i, s in enumerate(samples):
+            n = len(s.values or [])
+            s.token_advantages = adv[i, :n].tolist() if lengths[i] else [0.0] * n
+            s.returns = returns[i, :n].tolist() if lengths[i] else [0.0] * n
+            s.advantage = 0.0
+
+    def make(self, rollout_index: int) -> tuple[list[Sample], RolloutStats, int]:
+        """The whole pipeline for one rollout: samples ready to train on, stats, sampling rounds."""
+        t0 = time.perf_counter()
+        # A backend with its own copy of the weights (vllm) takes the policy's current ones (every rank:
+        # a parameter gather under ZeRO-3); shared-weight backends do nothing.
+        self.t.backend.sync_weights()
+        samples, stats, rounds = self.collect(rollout_index)
+        self.score_logprobs(samples)
+        if self.t.critic is not None:
+            self.gae_advantages(samples)
+        else:
+            self.advantages(samples)
+        if is_source(self.t.rl.view):
+            stats.add_samples(samples)
+        stats.rollout_s = time.perf_counter() - t0
+        return samples, stats, rounds
+
+
+def masked_rewards(samples: list[Sample]) -> torch.Tensor:
+    """Rewards with masked samples as NaN: dsrl.algos leaves them out of every group statistic."""
+    return torch.tensor([s.reward if s.active else float("nan") for s in samples], dtype=torch.float64)

@@ -1,0 +1,124 @@
+"""Building the policy model: a local Hugging Face checkpoint or a tiny random-init model.
+
+Invariants:
+- every rank that calls :func:`build_model` with the same arguments gets bit-identical weights (the
+  tiny model is initialised on the CPU under a forked, explicitly seeded RNG, so the global RNG
+  state of the caller is left untouched and the device does not change the draw);
+- nothing is downloaded: checkpoints load with ``local_files_only=True``;
+- the dtype follows ``model.dtype``: ``"auto"`` is bfloat16 on an accelerator that supports it and
+  float32 otherwise (the CPU always gets float32).
+
+The reference model for a KL penalty is a :func:`frozen_copy` of the policy taken *before*
+``deepspeed.initialize`` (a ZeRO-3 engine partitions the module in place, so a later deepcopy would
+copy empty shards).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+TINY_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def resolve_dtype(dtype: str, on_gpu: bool) -> torch.dtype:
+    """The torch dtype for ``model.dtype`` (validated by ModelConfig): auto = bfloat16 on a bf16-capable
+    accelerator, else float32."""
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if on_gpu:
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().is_bf16_supported():
+            return torch.bfloat16
+    return torch.float32
+
+
+def tiny_config(arch: str, vocab_size: int, pad_token_id: int | None, bos_token_id: int | None,
+                eos_token_id: int | list[int] | None, overrides: dict[str, Any] | None = None) -> Any:
+    """The transformers config of the built-in tiny model (``TINY_DEFAULTS`` updated by ``overrides``).
+
+    ``arch`` is one of :data:`dsrl.config.names.TINY_ARCHS` (``ModelConfig.arch`` admits nothing else).
+    """
+    from transformers import LlamaConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+    kwargs = {**TINY_DEFAULTS, "vocab_size": vocab_size, "pad_token_id": pad_token_id,
+              "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, **(overrides or {})}
+    return classes[arch](**kwargs)
+
+
+def build_model(
+    model_cfg: Any,
+    vocab_size: int,
+    pad_token_id: int | None,
+    bos_token_id: int | None,
+    eos_token_id: int | list[int] | None,
+    on_gpu: bool,
+    *,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """The policy as a ``transformers.PreTrainedModel`` in train mode, on the CPU.
+
+    ``model_cfg`` is a :class:`dsrl.config.ModelConfig`. With ``model_cfg.path`` the checkpoint is
+    loaded from that local directory; otherwise a tiny ``model_cfg.arch`` model is initialised from
+    ``seed`` (identical on every rank). ``vocab_size`` and the special token ids only apply to the
+    tiny model; a checkpoint keeps its own. The caller (DeepSpeed) moves the model to the device.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(model_cfg.dtype, on_gpu)
+    attn = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
+    if model_cfg.path:
+        if not os.path.isdir(model_cfg.path):
+            raise FileNotFoundError(
+                f"model.path = {model_cfg.path!r} is not a directory; set model.path to a local Hugging Face "
+                "checkpoint directory (config.json + weights), or leave it unset for the built-in tiny model"
+            )
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True, dtype=dtype, **attn)
+    else:
+        config = tiny_config(model_cfg.arch, vocab_size, pad_token_id, bos_token_id, eos_token_id, model_cfg.tiny)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy in eval mode with ``requires_grad=False`` everywhere (the KL reference policy).
+
+    Take it before ``deepspeed.initialize``: under ZeRO-3 the original's parameters are partitioned
+    in place afterwards. The copy is an ordinary module; keep it on the device with ``.to(device)``
+    (memory: one more full model per rank) or wrap it in its own inference engine.
+    """
+    ref = copy.deepcopy(model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def forward_logits(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The causal LM's logits for a collated micro-batch (padded or packed).
+
+    Packed rows have no attention_mask: transformers derives the block-diagonal mask from
+    ``position_ids``, which it only does without a KV cache (``use_cache=False``).
+    """
+    out = model(input_ids=micro["input_ids"], attention_mask=micro.get("attention_mask"),
+                position_ids=micro["position_ids"], use_cache=False)
+    return out.logits

@@ -1,0 +1,83 @@
+"""A short supervised warm-up before the first rollout (``dsrl.sft.steps``): optional, off by default.
+
+A randomly initialised policy first has to discover what an answer looks like before a reward can
+teach it anything; a few supervised steps on the prompts' reference answers give RL a starting
+point. :class:`SupervisedWarmup` runs ``sft.steps`` optimizer steps of the policy's own
+:class:`dsrl.backends.deepspeed.engine.RLEngine` before rollout 1, each on ``batch.mini_batch_size`` (prompt, reference
+answer + eos) sequences, with the per-token loss ``-log pi(answer token)``:
+
+- the step is the exact step of every RL step (same aggregation mode, partition and micro-batches,
+  one optimizer step per mini-batch), and counts towards the plan's total optimizer steps (the LR
+  schedule's horizon and the progress bar: :class:`dsrl.core.plan.BatchPlan`);
+- the sequences of step k are drawn from ``random.Random(f"dsrl-sft:{seed}:{k}")``, the same on every
+  rank, independently of the RL prompt sampler and of the torch RNG (so RL rollouts start where a
+  run without warm-up would);
+- only prompts whose answer is a string qualify (built-in tasks, or a prompts file's ``answer_key``
+  column); the answer is tokenized without special tokens, followed by eos, and cut at
+  ``rollout.max_new_tokens`` like a completion;
+- it runs once: a resumed run (which always resumes after a rollout) skips it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dsrl.config import ConfigError
+from dsrl.core.logprobs import token_logprobs
+from dsrl.core.partition import partition_mini_batch
+from dsrl.rl.batching import Sample
+from dsrl.rl.models import forward_logits
+
+
+class SupervisedWarmup:
+    """The ``dsrl.sft`` phase of a :class:`dsrl.rl.trainer.Trainer` (module docstring)."""
+
+    def __init__(self, trainer: Any):
+        self.t = trainer
+        d = trainer.d
+        tok = trainer.tokenizer
+        pool = [r for r in trainer.prompts if isinstance(r.get("answer"), str)]
+        if not pool:
+            raise ConfigError(
+                f"dsrl.sft.steps = {d.sft.steps} needs reference answers, but no prompt has a string answer "
+                f"(dsrl.data.answer_key = {d.data.answer_key!r}). Fix: point answer_key at a text column, use a "
+                "built-in task, or set dsrl.sft.steps to 0."
+            )
+        prompt_ids = trainer.encode(tok, [r["prompt"] for r in pool], d.data.max_prompt_tokens, d.data.chat_template)
+        answers = tok([r["answer"] for r in pool], add_special_tokens=False)["input_ids"]
+        limit = d.rollout.max_new_tokens
+        self.pairs = [(list(p), (list(a) + [tok.eos_token_id])[:limit]) for p, a in zip(prompt_ids, answers)]
+
+    def samples(self, step: int) -> list[Sample]:
+        """The mini-batch of step ``step`` (0-based): B (prompt, answer) sequences, the same on every rank."""
+        rng = random.Random(f"dsrl-sft:{self.t.d.run.seed}:{step}")
+        picks = [rng.randrange(len(self.pairs)) for _ in range(self.t.plan.mini_batch_size)]
+        return [Sample(tokens=self.pairs[i][0] + self.pairs[i][1], prompt_len=len(self.pairs[i][0]), group=-1,
+                       reward=0.0) for i in picks]
+
+    @staticmethod
+    def loss_fn(engine: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token negative log-likelihood of the answer, and whether the greedy token is the answer's."""
+        logits = forward_logits(engine, micro)
+        nll = -token_logprobs(logits, micro["targets"])
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == micro["targets"]).float()
+        return nll, {"token_accuracy": hit}
+
+    def run(self, on_step: Callable[[int, Any], None]) -> None:
+        """Run every warm-up step; ``on_step(step, result)`` after each."""
+        t = self.t
+        for step in range(t.d.sft.steps):
+            samples = self.samples(step)
+            per_rank = partition_mini_batch(range(len(samples)), [s.length for s in samples],
+                                            t.plan.data_parallel_size, t.d.batch, packed=t.d.model.packing)
+            micros = t.my_micro_batches(samples, per_rank)
+            t0 = time.perf_counter()
+            res = t.rl.train_mini_batch(micros, self.loss_fn)
+            res["step_s"] = time.perf_counter() - t0
+            on_step(step + 1, res)

@@ -1,0 +1,434 @@
+"""The RL loop: rollout -> rewards -> advantages -> mini-batches -> RLEngine (and the critic's RLEngine).
+
+One rollout, on every rank:
+
+1. :class:`dsrl.rl.experience.ExperienceMaker` draws P prompts (the same on every rank); each
+   data-parallel replica generates all G completions of its P/D prompts, scores them, applies the
+   algorithm's filters, computes old (and reference) log-probs once, then group advantages;
+2. the lengths of all R samples are all-gathered (a few bytes each; tensor-parallel peers
+   contribute nothing), and every rank computes the same E*R/B partitions: for each of E epochs the
+   rollout is reshuffled into R/B mini-batches (the same permutation on every rank), each
+   partitioned across replicas and into micro-batches (fixed size or token budget) by
+   :mod:`dsrl.core.partition`. Then one all-to-all moves each sample, with its old/ref log-probs and
+   advantage, from the replica that generated it to the ranks that train on it, once per rollout,
+   so a rank receives about R/D samples, not R (:mod:`dsrl.rl.replica_data`: tensor peers get
+   identical micro-batches); every mini-batch is one ``RLEngine.train_mini_batch`` call, i.e. one
+   optimizer step;
+3. with a critic (ppo, :mod:`dsrl.critic`) the critic takes one exact step on the same micro-batches
+   right after the policy's; in the first ``critic.warmup_rollouts`` rollouts only the critic steps.
+   Both engines are saved in one checkpoint commit and resume together.
+
+The progress bar's total is the plan's total optimizer steps and every loop bound comes from the
+same plan, so the bar ends exactly at the last step. Progress messages go through ``logging``
+(logger ``dsrl``, rank 0), redirected through tqdm while the bar is shown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl import algos
+from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
+from dsrl.backends.deepspeed.config import data_parallel_size
+from dsrl.backends.deepspeed.engine import RLEngine, ensure_distributed, initialize, on_gpu
+from dsrl.backends.deepspeed.frozen import frozen_engine
+from dsrl.backends.deepspeed.validation import validated_deepspeed_config
+from dsrl.checkpoint.commit import latest_complete_tag
+from dsrl.checkpoint.engines import load_engines, save_engines
+from dsrl.checkpoint.export import export_checkpoint, write_hf_meta
+from dsrl.checkpoint.output_lock import release_all
+from dsrl.checkpoint.run_dir import FINAL_MODEL, check_free_space, open_run_dir
+from dsrl.config import Config, ConfigError, load_config
+from dsrl.core import collectives, timeouts
+from dsrl.core.errors import RunError
+from dsrl.core.logprobs import token_entropy, token_logprobs
+from dsrl.core.partition import mini_batches, partition_mini_batch
+from dsrl.core.plan import BatchPlan
+from dsrl.core.seeds import derived_seed
+from dsrl.rl.batching import Sample, collate, collate_packed
+from dsrl.rl.experience import ExperienceMaker
+from dsrl.rl.models import forward_logits
+from dsrl.rl.replica_data import RolloutIndex, my_part
+from dsrl.rl.reward_contract import all_timed_out
+from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
+from dsrl.runtime.stop import StopControl, StopRun
+from dsrl.runtime.watchdog import Watch
+
+CHECKPOINT_SUBDIR = "checkpoints"
+log = logging.getLogger("dsrl.rl.trainer")
+STEP_METRICS = ("loss", "grad_norm", "lr", "tokens", "sequences", "micro_batches", "step_applied",
+                "clip_low_frac", "clip_high_frac", "kl", "entropy", "step_s")
+
+
+class Trainer:
+    """Builds everything from one run file and runs the loop (see the module docstring)."""
+
+    def __init__(self, config: str | dict | Config, overrides: dict[str, Any] | None = None,
+                 resume: str | None = None):
+        from dsrl.rl.data import PromptSampler, encode_prompts, load_accuracy_fn, load_prompts, load_reward_fn
+        from dsrl.rl.models import build_model, frozen_copy, resolve_dtype
+        from dsrl.rl.tokenizer import load_tokenizer
+        from dsrl.rollout import make_backend
+
+        self.cfg = load_config(config, overrides)
+        d = self.cfg.dsrl
+        self.d = d
+        if resume is not None:
+            d.run.resume = resume
+        # Stop requests (signals, the launcher's death) are handled from here on (dsrl.runtime.stop).
+        self.stop = StopControl(d.run.stop_grace_s, before_exit=release_all)
+        self.stop.install()
+        ensure_distributed(d.run.join_timeout_s, d.run.collective_timeout_s)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.on_gpu = on_gpu()
+        torch.manual_seed(d.run.seed)  # identical initial weights on every rank
+        random.seed(derived_seed(d.run.seed, self.rank))
+
+        self.tokenizer = load_tokenizer(d.model)
+        self.prompts = load_prompts(d.data, seed=d.run.seed)
+        self.reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
+        self.accuracy_fn = load_accuracy_fn(d.data)
+        self.encode = encode_prompts
+        tok = self.tokenizer
+        _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
+        # The whole run file, DeepSpeed half included, is checked before the model is built (initialize
+        # checks it again, cheaply, for callers that use it directly).
+        plan = BatchPlan.from_config(self.cfg, data_parallel_size(self.cfg.ds_config, self.world), len(self.prompts))
+        validated_deepspeed_config(self.cfg, plan, on_gpu=self.on_gpu)
+        if d.has_critic:
+            from dsrl.rl.critic import check_critic
+
+            check_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
+        # The output directory: lock, refusals, the verified checkpoint to continue from (dsrl.checkpoint.run_dir).
+        self.run_dir = open_run_dir(d.run, checksums=d.run.checkpoint_checksums)
+        model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
+                            seed=d.run.seed)
+        check_free_space(self.run_dir, model, d.run)
+        self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 else None
+        self.rl: RLEngine = initialize(model, self.cfg, dataset_size=len(self.prompts))
+        self.plan = self.rl.plan
+        self.device = self.rl.device
+        self.replica = self.rl.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
+        if self.ref_model is not None:
+            self.ref_model = frozen_engine(self.ref_model, self.rl, self.device)
+        self.reward_model = None
+        if d.data.reward_model:
+            from dsrl.rl.reward_model import RewardModel
+
+            self.reward_model = RewardModel.load(d.data.reward_model, tok, self.rl, on_gpu=self.on_gpu,
+                                                 micro_batch_size=d.rollout.logprob_micro_batch_size)
+        self.critic, self.critic_results = None, []
+        if d.has_critic:
+            from dsrl.rl.critic import Critic
+
+            self.critic = Critic.build(self.cfg, tok, self.on_gpu, len(self.prompts))
+        self.backend = make_backend(d.rollout, self.rl.engine, tok)
+        self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
+                                     last_rollout=d.run.last_rollout)
+        self.pad_id = tok.pad_token_id
+        self.algo = algos.resolve_algorithm(d.algorithm)
+        self.output_dir = d.run.output_dir
+        self.ckpt_dir = os.path.join(self.output_dir, CHECKPOINT_SUBDIR)
+        self.rollout_index = 0
+        self.calls = 0  # mini-batches trained (applied or skipped)
+        self.prompts_drawn = 0
+        self.experience = ExperienceMaker(self)
+        self.watch = Watch(d.run.collective_timeout_s)  # phase ends bounded, missing ranks named (dsrl.runtime.watchdog)
+        self.resume_notice: str | None = None  # set by an elastic resume (another world size)
+        resumed = self._maybe_resume()
+        self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
+                                     resume_at=(self.rollout_index, self.rl.optimizer_steps) if resumed else None)
+
+    # -- resume ---------------------------------------------------------------------------------
+    def _maybe_resume(self) -> bool:
+        point = self.run_dir.resume  # chosen and verified by dsrl.checkpoint.run_dir; any world size (dsrl.checkpoint.elastic)
+        if point is None:
+            return False
+        load_dir = point.ckpt_dir
+        resumed = load_engines(self.rl, load_dir, point.tag, companions=self._companions())
+        tag, client, rank_state = resumed
+        self.resume_notice = resumed.notice
+        if resumed.notice and self.rank == 0:
+            log.warning(resumed.notice)
+        self.rollout_index = int(client["rollout"])
+        self.calls = int(client["calls"])
+        self.prompts_drawn = int(client.get("prompts_drawn", 0))
+        self.sampler.load_state_dict(client["sampler"])
+        if rank_state is not None:
+            torch.set_rng_state(rank_state["torch_rng"])
+            random.setstate(rank_state["python_rng"])
+        if self.rank == 0:
+            log.info("resumed from %s at rollout %d, optimizer step %d", os.path.join(load_dir, tag),
+                     self.rollout_index, self.rl.optimizer_steps)
+        return True
+
+    def save(self) -> None:
+        tag = f"rollout{self.rollout_index}"
+        client = {"rollout": self.rollout_index, "calls": self.calls, "sampler": self.sampler.state_dict(),
+                  "prompts_drawn": self.prompts_drawn}
+        rank_state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+        t0 = time.perf_counter()
+        with self.watch.phase("save"):
+            save_engines(self.rl, self.ckpt_dir, tag, client_state=client, rank_state=rank_state,
+                                    keep_last=self.d.run.keep_last, checksums=self.d.run.checkpoint_checksums,
+                                    before_commit=lambda path: write_hf_meta(path, self.rl.module, self.tokenizer),
+                                    companions=self._companions())
+        self.stop.save_s = time.perf_counter() - t0
+
+    def _companions(self) -> dict[str, RLEngine]:
+        """Engines saved and resumed in the policy's checkpoint commit (the critic)."""
+        return {"critic": self.critic.rl} if self.critic is not None else {}
+
+    # -- training -------------------------------------------------------------------------------
+    def loss_fn(self, engine, micro):
+        """Per-token loss: clipped surrogate (token or sequence ratio) (+ KL in loss) (- entropy bonus), and
+        per-token metrics."""
+        a, algo = self.d.algorithm, self.algo
+        logits = forward_logits(engine, micro)
+        logp = token_logprobs(logits, micro["targets"], self.d.rollout.temperature)
+        if algo.ratio_level == "sequence":
+            index = sequence_index(micro["loss_mask"], micro["position_ids"])
+            loss, m = sequence_clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
+                                                   algo.clip_low, algo.clip_high, index)
+        else:
+            loss, m = clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], algo.clip_low,
+                                          algo.clip_high)
+        metrics = {"clip_low_frac": m["clip_low_frac"], "clip_high_frac": m["clip_high_frac"]}
+        if self.ref_model is not None:
+            kl = kl_estimate(logp, micro["ref_logprobs"], a.kl_estimator)
+            metrics["kl"] = kl.detach()
+            if a.kl_in == "loss":
+                loss = loss + a.kl_coef * kl
+        if a.entropy_coef > 0:
+            ent = token_entropy(logits, self.d.rollout.temperature)
+            loss = loss - a.entropy_coef * ent
+            metrics["entropy"] = ent.detach()
+        else:
+            with torch.no_grad():
+                metrics["entropy"] = token_entropy(logits.detach(), self.d.rollout.temperature)
+        return loss, metrics
+
+    def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:
+        """E reshuffled passes over the rollout; one optimizer step per mini-batch (of the policy, unless
+        in the critic's warm-up, and of the critic). Returns the policy's step results; the critic's are
+        in ``self.critic_results``.
+
+        Every rank learns all R lengths, partitions all E*R/B mini-batches, then receives only the
+        samples its replica trains on (:mod:`dsrl.rl.replica_data`, rules 3-5)."""
+        view = self.rl.view
+        index = RolloutIndex.gather(view, local)
+        seed = derived_seed(self.d.run.seed, self.rollout_index, 0xB47C4)
+        packed = self.d.model.packing
+        steps = [partition_mini_batch(mb, index.lengths, self.plan.data_parallel_size, self.d.batch, packed=packed)
+                 for mb in mini_batches(index.size, self.plan.mini_batch_size, self.plan.epochs_per_rollout,
+                                        seed=seed, shuffle=self.d.batch.shuffle)]
+        samples = index.exchange(steps, self.device)
+        del index
+        results = []
+        self.critic_results = []
+        policy_steps = self.rollout_index >= self.plan.critic_warmup_rollouts
+        for per_rank in steps:
+            micros = self.my_micro_batches(samples, per_rank)
+            res = critic_res = None
+            if policy_steps:
+                t0 = time.perf_counter()
+                res = self.rl.train_mini_batch(micros, self.loss_fn)
+                res["step_s"] = time.perf_counter() - t0
+                res["padded_tokens"] = sum(int(m["input_ids"].numel()) for m in micros)
+                results.append(res)
+            if self.critic is not None:
+                t0 = time.perf_counter()
+                critic_res = self.critic.train_mini_batch(micros)
+                critic_res["step_s"] = time.perf_counter() - t0
+                self.critic_results.append(critic_res)
+            self.calls += 1
+            on_step(res, critic_res)
+        return results
+
+    def my_micro_batches(self, samples: Any, per_rank: Any) -> list[dict[str, torch.Tensor]]:
+        """This rank's collated micro-batches of one partitioned mini-batch (``samples[i]`` is sample ``i``;
+        padded or packed rows per ``model.packing``), empty micro-batches left out."""
+        make = collate_packed if self.d.model.packing else collate
+        return [make([samples[i] for i in ids], self.pad_id, self.device) for ids in my_part(self.rl.view, per_rank)
+                if ids]
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _on_step(self, res: dict[str, Any] | None, critic_res: dict[str, Any] | None, bar: Any) -> None:
+        if bar is not None and res is not None and res["step_applied"]:
+            bar.update(1)
+        rec = {"rollout": self.rollout_index + 1, "call": self.calls, "optimizer_step": self.rl.optimizer_steps,
+               **{k: res[k] for k in STEP_METRICS if res is not None and k in res}}
+        if critic_res is not None:
+            rec.update({f"critic_{k}": critic_res[k] for k in CRITIC_STEP_METRICS if k in critic_res})
+        self.metrics.write("step", rec, self.rl.optimizer_steps)
+        # A mini-batch boundary: every rank takes the same stop decision here (dsrl.runtime.stop).
+        self.stop.note_step(sum(r.get("step_s", 0.0) for r in (res, critic_res) if r is not None))
+        if self.stop.decide(self.plan.optimizer_steps_per_rollout - (self.calls - self._rollout_calls)) == "stop":
+            raise StopRun
+
+    def _should_save(self, start: int) -> tuple[bool, bool]:
+        """(save now, stop this invocation) after the rollout just finished."""
+        r = self.d.run
+        last = self.rollout_index == self.plan.rollouts
+        stop = r.stop_after_rollouts is not None and self.rollout_index - start >= r.stop_after_rollouts
+        periodic = bool(r.save_every) and self.rollout_index % r.save_every == 0
+        asked = self.stop.decide(0) is not None  # a stop request (collective): checkpoint this rollout and stop
+        return periodic or (last and r.save_final) or stop or asked, (stop or asked) and not last
+
+    def run(self) -> dict[str, Any]:
+        """Train to the plan's last rollout (or ``run.stop_after_rollouts``); returns the last rollout's record."""
+        plan = self.plan
+        bar = None
+        if self.rank == 0 and self.d.run.progress_bar:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=plan.total_optimizer_steps, initial=self.rl.optimizer_steps, unit="step",
+                       desc="dsrl", dynamic_ncols=True)
+        self.stop.training = True
+        try:
+            with _log_through(bar):
+                summary = self._loop(bar)
+                if self._finished_here and self.d.run.export_final and self.d.run.save_final:
+                    self._export_final()
+        finally:
+            if bar is not None:
+                bar.close()
+            self.metrics.close()
+            self.stop.uninstall()
+            self.run_dir.release()
+        return summary
+
+    def _export_final(self) -> None:
+        """The final checkpoint as a Hugging Face model directory, <output_dir>/final_model (rank 0 writes)."""
+        tag_dir = os.path.join(self.ckpt_dir, f"rollout{self.rollout_index}")
+        out = os.path.join(self.output_dir, FINAL_MODEL)
+        try:
+            with self.watch.phase("export"), timeouts.patience(4 * 3600.0):
+                collectives.on_rank0(lambda: export_checkpoint(tag_dir, out, overwrite=True, checksums=False))
+        except (ConfigError, RunError) as e:  # the run itself succeeded: say so, do not fail it
+            if self.rank == 0:
+                log.warning("run.export_final: could not export %s: %s", tag_dir, e)
+            return
+        if self.rank == 0:
+            log.info("exported the final model to %s (AutoModelForCausalLM.from_pretrained)", out)
+
+    def _loop(self, bar: Any) -> dict[str, Any]:
+        plan = self.plan
+        if self.rank == 0:
+            log.info("%d rollouts x %d optimizer steps = %d steps on %d rank(s); output %s", plan.rollouts,
+                     plan.optimizer_steps_per_rollout, plan.total_optimizer_steps, self.world, self.output_dir)
+        summary: dict[str, Any] = {}
+        start = self.rollout_index
+        self._finished_here = False
+        if start == 0 and self.d.sft.steps and self.rl.optimizer_steps == 0:
+            self._supervised_warmup(bar)
+        if start >= plan.rollouts and self.rank == 0:
+            log.info("%s already holds the finished run (%d rollouts); nothing to do. Use a new "
+                     "--dsrl.run.output_dir, or --overwrite to start over.", self.output_dir, plan.rollouts)
+        while self.rollout_index < plan.rollouts:
+            self._rollout_calls = self.calls
+            self.stop.new_rollout()
+            local, stats, rounds = self.experience.make(self.rollout_index)
+            log.debug("rank %d rollout %d: %d local samples (%d masked), %d sampling rounds, %.2fs", self.rank,
+                      self.rollout_index + 1, len(local), sum(not s.active for s in local), rounds, stats.rollout_s)
+            t0 = time.perf_counter()
+            try:
+                with self.watch.phase("step"):
+                    results = self.train_rollout(local, lambda res, critic_res: self._on_step(res, critic_res, bar))
+            except StopRun:
+                self._log_stop(mid_rollout=True)
+                return summary
+            stats.train_s = time.perf_counter() - t0
+            self.rollout_index += 1
+            summary = rollout_record(stats.summed(self.device), results, world=self.world,
+                                     rollout=self.rollout_index, optimizer_step=self.rl.optimizer_steps,
+                                     rollout_size=plan.rollout_size,
+                                     prompt_epochs=self.prompts_drawn / len(self.prompts), sampling_rounds=rounds,
+                                     local_train_s=stats.train_s)
+            if self.critic is not None:
+                summary.update(critic_record(self.critic_results))
+            self.metrics.write("rollout", summary, self.rl.optimizer_steps)
+            if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
+                raise RunError(problem, agreed=True)
+            if self.rank == 0 and (self.rollout_index % self.d.run.log_every == 0
+                                   or self.rollout_index == plan.rollouts):
+                log.info(self.metrics.rollout_line(summary, plan.rollouts))
+            save, stop = self._should_save(start)
+            if save:
+                self.save()
+            if stop:
+                if self.stop.decision is not None:
+                    self._log_stop(mid_rollout=False)
+                elif self.rank == 0:
+                    log.info("stopping after %d rollouts of this invocation (run.stop_after_rollouts); resume with "
+                             "--resume auto", self.d.run.stop_after_rollouts)
+                break
+        self._finished_here = self.rollout_index == plan.rollouts and self.rollout_index > start
+        return summary
+
+    def _log_stop(self, mid_rollout: bool) -> None:
+        if self.rank != 0:
+            return
+        latest = latest_complete_tag(self.ckpt_dir)
+        where = (f"at optimizer step {self.rl.optimizer_steps}, a mini-batch boundary inside rollout "
+                 f"{self.rollout_index + 1} (the rest of it and a checkpoint did not fit in run.stop_grace_s)"
+                 if mid_rollout else f"after rollout {self.rollout_index} with a committed checkpoint")
+        log.warning("stopped on request (%s) %s; the last committed checkpoint is %s; continue with --resume auto",
+                    self.stop.reason, where, os.path.join(self.ckpt_dir, latest) if latest else "none")
+
+    def _supervised_warmup(self, bar: Any) -> None:
+        """The optional dsrl.sft phase (dsrl/rl/sft.py): policy steps on reference answers before rollout 1."""
+        from dsrl.rl.sft import SupervisedWarmup
+
+        t0, first = time.perf_counter(), []
+
+        def on_step(step: int, res: Any) -> None:
+            if bar is not None and res["step_applied"]:
+                bar.update(1)
+            first.append(res["loss"])
+            rec = {"sft_step": step, "call": step, "optimizer_step": res["optimizer_step"],
+                   **{k: res[k] for k in ("loss", "grad_norm", "lr", "tokens", "token_accuracy", "step_s") if k in res}}
+            self.metrics.write("sft", rec, res["optimizer_step"])
+
+        SupervisedWarmup(self).run(on_step)
+        if self.rank == 0:
+            log.info("supervised warm-up: %d steps, loss %.3f -> %.3f, %.1fs", self.d.sft.steps, first[0], first[-1],
+                     time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _log_through(bar: Any):
+    """Route dsrl's log records through tqdm while ``bar`` is shown (so lines do not break the bar);
+    give the ``dsrl`` logger a stdout handler when nothing configured logging."""
+    logger = logging.getLogger("dsrl")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("dsrl: %(message)s"))
+        logger.addHandler(handler)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+    if bar is None:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logger]):
+        yield
+
+
+def _match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) -> None:
+    """A bf16 model trains with DeepSpeed's bf16 mode (fp32 master weights), unless the user said otherwise."""
+    if dtype == torch.bfloat16:
+        bf16 = ds_config.setdefault("bf16", {})
+        if isinstance(bf16, dict) and bf16.get("enabled", "auto") == "auto":
+            bf16["enabled"] = True

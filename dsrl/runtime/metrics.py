@@ -1,0 +1,172 @@
+"""Where metrics go: stdout (one line per rollout), ``metrics.jsonl``, DeepSpeed's monitor.
+
+Only rank 0 writes. ``metrics.jsonl`` holds one JSON object per line: ``{"event": "step", ...}``
+after every optimizer step (``optimizer_step`` is the applied-step count, ``call`` the mini-batch
+index) and ``{"event": "rollout", ...}`` after every rollout. The ds_config ``tensorboard`` /
+``csv_monitor`` / ``wandb`` sections are honoured through the engine's ``monitor`` (DeepSpeed's
+MonitorMaster), with the optimizer step as the x-axis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+DROPPED = "metrics.dropped.jsonl"  # rows past a resume point, kept rather than deleted
+ROLLOUT_LINE_KEYS = (
+    ("reward_mean", "reward {:.3f}"),
+    ("accuracy", "acc {:.3f}"),
+    ("response_len", "len {:.1f}"),
+    ("loss", "loss {:+.4f}"),
+    ("value_loss", "vloss {:.4f}"),
+    ("kl", "kl {:.4f}"),
+    ("clip_frac", "clip {:.3f}"),
+    ("grad_norm", "gnorm {:.3f}"),
+    ("lr", "lr {:.2e}"),
+    ("tokens_per_s", "{:.0f} tok/s"),
+)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN; None reads as "not available"
+    return value
+
+
+class MetricsWriter:
+    """Append-only metrics sink; a no-op on ranks other than 0."""
+
+    def __init__(self, output_dir: str, rank: int, monitor: Any = None, resume_at: tuple[int, int] | None = None):
+        """``resume_at = (rollout, optimizer_step)`` of the checkpoint a run resumed from: rows written
+        after it (by the attempt that crashed or stopped) move to metrics.dropped.jsonl, so the file reads
+        as one run. Without ``resume_at`` the file is started anew (dsrl.checkpoint.run_dir refuses that when it holds
+        a run, unless run.overwrite)."""
+        self.rank = rank
+        self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._file = None
+        if rank == 0:
+            os.makedirs(output_dir, exist_ok=True)
+            if resume_at is not None and os.path.isfile(self.path):
+                self._truncate(*resume_at)
+            self._file = open(self.path, "a" if resume_at is not None else "w", encoding="utf-8")  # noqa: SIM115
+
+    def _truncate(self, rollout: int, step: int) -> None:
+        """Keep the rows up to the resume point; the others go to ``metrics.dropped.jsonl`` (appended), so
+        no row is ever lost."""
+        keep, dropped = [], []
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line if line.endswith("\n") else line + "\n"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    dropped.append(line)  # a line cut by the crash
+                    continue
+                ok = isinstance(row, dict) and row.get("rollout", 0) <= rollout and row.get("optimizer_step", 0) <= step
+                (keep if ok else dropped).append(line)
+        if not dropped:
+            return
+        with open(os.path.join(os.path.dirname(self.path), DROPPED), "a", encoding="utf-8") as f:
+            f.writelines(dropped)
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.path)
+
+    def write(self, event: str, record: dict[str, Any], step: int) -> None:
+        if self._file is None:
+            return
+        row = {"event": event, **{k: _clean(v) for k, v in record.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self.monitor is not None:
+            events = [(f"dsrl/{event}/{k}", float(v), step) for k, v in record.items()
+                      if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+            self.monitor.write_events(events)
+
+    def rollout_line(self, record: dict[str, Any], total_rollouts: int) -> str:
+        parts = [f"rollout {record['rollout']}/{total_rollouts}", f"step {record['optimizer_step']}"]
+        for key, fmt in ROLLOUT_LINE_KEYS:
+            v = record.get(key)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                parts.append(fmt.format(v))
+        parts.append(f"gen {record['rollout_s']:.1f}s train {record['train_s']:.1f}s")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _token_mean(results: list[dict[str, Any]], key: str) -> float:
+    """The token-weighted mean of a per-step metric over a rollout's steps (NaN when absent)."""
+    vals = [(r[key], r["tokens"]) for r in results if key in r]
+    w = sum(t for _, t in vals)
+    return sum(v * t for v, t in vals) / w if w else float("nan")
+
+
+def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rollout: int, optimizer_step: int,
+                   rollout_size: int, prompt_epochs: float, sampling_rounds: int,
+                   local_train_s: float) -> dict[str, Any]:
+    """The ``rollout`` row of metrics.jsonl from the rollout's summed :class:`dsrl.rl.experience.RolloutStats`
+    (already reduced over ranks) and its optimizer steps' results."""
+    n = stats.finite_rewards
+    mean = stats.reward_sum / n if n else float("nan")
+    std = math.sqrt(max(stats.reward_sq_sum / n - mean * mean, 0.0)) if n else float("nan")
+    tokens = sum(r["tokens"] for r in results)
+    applied = [r for r in results if r["step_applied"]]
+    samples = stats.samples
+    clip_low, clip_high = _token_mean(results, "clip_low_frac"), _token_mean(results, "clip_high_frac")
+    return {
+        "rollout": rollout,
+        "optimizer_step": optimizer_step,
+        "episodes": rollout * rollout_size,
+        "prompt_epochs": prompt_epochs,
+        "reward_mean": mean,
+        "reward_std": std,
+        "accuracy": stats.accuracy_sum / stats.scored_accuracy if stats.scored_accuracy else None,
+        "response_len": stats.completion_tokens / samples if samples else 0.0,
+        "masked_samples": stats.masked_samples,
+        "reward_timeouts": stats.reward_timeouts,
+        "truncated_frac": stats.truncated_samples / samples if samples else 0.0,
+        "zero_variance_groups": stats.groups_zero_variance / stats.groups_generated if stats.groups_generated else 0.0,
+        "sampling_rounds": float(sampling_rounds),
+        "reward_model_fillers": stats.reward_model_fillers,
+        "loss": sum(r["loss"] for r in results) / len(results) if results else float("nan"),
+        "kl": _token_mean(results, "kl"),
+        "entropy": _token_mean(results, "entropy"),
+        "clip_low_frac": clip_low,
+        "clip_high_frac": clip_high,
+        "clip_frac": clip_low + clip_high,
+        "grad_norm": sum(r["grad_norm"] for r in applied) / len(applied) if applied else float("nan"),
+        "lr": results[-1]["lr"] if results else float("nan"),
+        "skipped_steps": len(results) - len(applied),
+        "train_tokens": tokens,
+        "tokens_per_s": tokens / local_train_s if local_train_s > 0 else 0.0,
+        "rollout_s": stats.rollout_s / world,
+        "train_s": stats.train_s / world,
+    }
+
+
+# The critic's per-step values written to each "step" row as critic_<name> (dsrl.critic).
+CRITIC_STEP_METRICS = ("loss", "grad_norm", "lr", "vf_clip_frac", "value", "return", "step_applied")
+
+
+def critic_record(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The critic's part of a ``rollout`` row from its optimizer steps' results (empty without steps)."""
+    if not results:
+        return {}
+    applied = [r for r in results if r["step_applied"]]
+    return {
+        "value_loss": sum(r["loss"] for r in results) / len(results),
+        "vf_clip_frac": _token_mean(results, "vf_clip_frac"),
+        "value_mean": _token_mean(results, "value"),
+        "return_mean": _token_mean(results, "return"),
+        "critic_grad_norm": sum(r["grad_norm"] for r in applied) / len(applied) if applied else float("nan"),
+        "critic_lr": results[-1]["lr"],
+        "critic_optimizer_step": results[-1]["optimizer_step"],
+    }

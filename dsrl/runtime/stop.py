@@ -1,0 +1,177 @@
+"""Stopping on request: SIGTERM, Ctrl-C, or the death of the launcher, whatever reached which process.
+
+What happens (docs/reliability.md, "Signals"):
+
+- every rank handles SIGTERM and SIGINT itself, and a thread watches the DeepSpeed launcher processes
+  above it (``deepspeed.launcher.launch`` and the ``deepspeed`` runner, or ``torchrun``): when one of
+  them ends, e.g. ``kill PID`` or ``timeout`` hit the runner alone, the rank treats it as a SIGTERM;
+- during start-up a request aborts at once (nothing is worth saving yet; DeepSpeed's shared-memory
+  segments are removed by :func:`dsrl.backends.deepspeed.cpu_shm.arm_cleaner`'s watcher whatever happens);
+- during training every rank takes the same decision at each mini-batch boundary (one all-reduce of
+  three numbers): when the rest of the rollout plus a checkpoint fits in ``run.stop_grace_s`` counted
+  from the request, the run finishes the rollout, commits a checkpoint and stops; otherwise it stops
+  right after the mini-batch, and the last committed checkpoint stays ``latest``;
+- a rank still running ``stop_grace_s`` after the request exits with status 128 + signal number; a
+  second Ctrl-C interrupts at once.
+
+DeepSpeed's launcher gives its ranks 30 s between its SIGTERM and SIGKILL, hence the 25 s default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dsrl.core import collectives
+
+log = logging.getLogger("dsrl.runtime.stop")
+_LAUNCHER_WORDS = ("deepspeed.launcher", "torch.distributed.run", "torch.distributed.launch", "torchrun")
+
+
+class StopRun(Exception):
+    """Raised at a mini-batch boundary when every rank agreed to stop there."""
+
+
+class InterruptedStartup(BaseException):
+    """A stop request during start-up: unwind now (like KeyboardInterrupt)."""
+
+
+def _looks_like_launcher(cmdline: list[str]) -> bool:
+    text = " ".join(cmdline[:4])
+    return any(w in text for w in _LAUNCHER_WORDS) or any(os.path.basename(a) == "deepspeed" for a in cmdline[:2])
+
+
+def launcher_ancestors() -> list[tuple[int, float, str]]:
+    """``(pid, start time, name)`` of the launcher processes above this one, nearest first."""
+    try:
+        import psutil
+
+        proc = psutil.Process(os.getpid()).parent()
+        out = []
+        while proc is not None and proc.pid > 1:
+            cmd = proc.cmdline()
+            if not _looks_like_launcher(cmd):
+                break
+            out.append((proc.pid, proc.create_time(), " ".join(cmd[:3])))
+            proc = proc.parent()
+        return out
+    except Exception:
+        return []
+
+
+def _gone(pid: int, started: float) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - started) > 1.0 or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+class StopControl:
+    """One per process: records stop requests and turns them into one decision shared by every rank."""
+
+    def __init__(self, grace_s: float, poll_s: float = 1.0, before_exit: Callable[[], None] | None = None):
+        """``before_exit`` runs when the grace period expires, just before the process exits (the trainer
+        passes the output lock's release, so a forced exit leaves no stale lock behind)."""
+        self.grace_s = float(grace_s)
+        self.before_exit = before_exit
+        self.poll_s = poll_s
+        self.requested_at: float | None = None
+        self.reason: str | None = None
+        self.signum = 0
+        self.training = False
+        self.decision: str | None = None  # None until a request was agreed: "finish" or "stop"
+        self._previous: dict[int, Any] = {}
+        self._done = threading.Event()
+        self._step_times: list[float] = []
+        self.save_s = 0.0
+
+    # -- requests -------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Handle SIGTERM/SIGINT in this (main) thread and watch the launcher processes above."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        ancestors = launcher_ancestors()
+        if ancestors:
+            threading.Thread(target=self._watch, args=(ancestors,), name="dsrl-launcher-watch", daemon=True).start()
+
+    def uninstall(self) -> None:
+        self._done.set()
+        for sig, handler in self._previous.items():
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.requested_at is not None and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: now
+        self.request(f"{name} received", signum)
+        if not self.training:
+            raise InterruptedStartup(f"{name} during start-up")
+
+    def _watch(self, ancestors: list[tuple[int, float, str]]) -> None:
+        while not self._done.wait(self.poll_s):
+            for pid, started, name in ancestors:
+                if _gone(pid, started):
+                    self.request(f"the launcher ({name}, pid {pid}) ended", signal.SIGTERM)
+                    if not self.training:
+                        os.kill(os.getpid(), signal.SIGTERM)  # interrupt start-up in the main thread
+                    return
+
+    def request(self, reason: str, signum: int) -> None:
+        if self.requested_at is not None:
+            return
+        self.requested_at, self.reason, self.signum = time.monotonic(), reason, signum
+        if collectives.rank() == 0 or not self.training:
+            log.warning("stop requested (%s): stopping at the next mini-batch boundary; a checkpoint is committed "
+                        "if the rollout can finish within run.stop_grace_s = %g s", reason, self.grace_s)
+        threading.Thread(target=self._expire, name="dsrl-stop-grace", daemon=True).start()
+
+    def _expire(self) -> None:
+        if self._done.wait(self.grace_s + 5.0):
+            return
+        log.error("rank %d: still running %g s after the stop request (%s); exiting", collectives.rank(),
+                  self.grace_s, self.reason)
+        if self.before_exit is not None:
+            self.before_exit()
+        logging.shutdown()
+        os._exit(128 + (self.signum or signal.SIGTERM))
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.requested_at is not None else 0
+
+    # -- the shared decision ------------------------------------------------------------------------
+    def note_step(self, seconds: float) -> None:
+        self._step_times.append(seconds)
+
+    def new_rollout(self) -> None:
+        self._step_times = self._step_times[-1:]
+
+    def decide(self, steps_left: int) -> str | None:
+        """At a mini-batch boundary (collective): None (carry on), "finish" (finish the rollout, save,
+        stop) or "stop" (stop now). Once "finish" is agreed it stays, without further collectives."""
+        if self.decision is not None:
+            return self.decision
+        mean = sum(self._step_times) / len(self._step_times) if self._step_times else 0.0
+        elapsed = time.monotonic() - self.requested_at if self.requested_at is not None else 0.0
+        requested, elapsed, remaining = collectives.max_floats(
+            [1.0 if self.requested_at is not None else 0.0, elapsed, steps_left * mean + self.save_s])
+        if not requested:
+            return None
+        if self.requested_at is None:
+            self.request("another rank was asked to stop", signal.SIGTERM)
+        self.decision = "finish" if elapsed + remaining <= self.grace_s else "stop"
+        return self.decision
