@@ -154,8 +154,9 @@ def rank_main(rank: int, world: int, port: int, path: str, args: Any, out_dir: s
     lengths, prompts = synthetic_rollout(args.rollout, args.max_len, args.seed)
     per = args.rollout // world
     local = make_samples(range(rank * per, (rank + 1) * per), lengths, prompts, args.seed)
-    batch = SimpleNamespace(micro_batch_size_per_rank=None, max_tokens_per_micro_batch=args.max_tokens,
-                            allow_oversize=True, balance_attention_coef=0.0)
+    plan = SimpleNamespace(data_parallel_size=world, micro_batch_size_per_rank=None,
+                           max_tokens_per_micro_batch=args.max_tokens, allow_oversize=True, balance_attention_coef=0.0,
+                           packing=False)
     cls = AllGatherRollout if path == "all-gather" else RolloutIndex
     gc.collect()
     dist.barrier()
@@ -164,7 +165,7 @@ def rank_main(rank: int, world: int, port: int, path: str, args: Any, out_dir: s
     totals = {"all_gather": 0, "all_to_all": 0}
     with count_received(totals):
         index = cls.gather(view, local)
-        steps = [partition_mini_batch(mb, index.lengths, world, batch)
+        steps = [partition_mini_batch(mb, index.lengths, plan)
                  for mb in mini_batches(index.size, args.mini_batch, args.epochs, seed=args.seed)]
         samples = index.exchange(steps, "cpu")
         del index

@@ -35,7 +35,7 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from dsrl.config.names import LOSS_AGG_MODES
+from dsrl.config.names import LOSS_AGG_MODES  # noqa: E402
 from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighted_sum  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 256, 128, 4, 2, 64
@@ -156,7 +156,7 @@ def reference(ddp_or_params: Any, micros: list[dict], mode: str, naive: bool = F
             total = total + (per_token * m).sum() / m.sum().clamp(min=1) / len(micros)
         else:
             w = token_weights(mode, mb, counts, mini_batch_size=sum(x["loss_mask"].shape[0] for x in micros),
-                              norm_length=SEQ)
+                              loss_agg_norm_length=SEQ)
             total = total + weighted_sum(per_token, w.to(per_token.device), mb["loss_mask"])
     total.backward()
     return {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None}
@@ -180,7 +180,7 @@ def run_single(kind: str, micros: list[dict], results: list[tuple[str, float, fl
 
     for conv in ("per_token", "average"):
         ddp, opt, sched = build(kind, conv == "per_token")
-        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=6, norm_length=SEQ)
+        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=6, loss_agg_norm_length=SEQ)
         for mode in LOSS_AGG_MODES:
             step.loss_agg = mode
             step.train_step(micros, gpt_forward, ppo_loss)
@@ -201,7 +201,7 @@ def run_cp2(micros: list[dict], results: list[tuple[str, float, float]]) -> None
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(context_parallel_size=2)
         ddp, opt, sched = build("cp2", conv == "per_token", te=True)
-        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=6, norm_length=SEQ)
+        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=6, loss_agg_norm_length=SEQ)
         got: dict[str, dict] = {}
         params = {n: p.detach().clone() for n, p in _inner(ddp).named_parameters()}
         for mode in LOSS_AGG_MODES:

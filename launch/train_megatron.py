@@ -160,7 +160,7 @@ def main() -> None:
     ddp, opt, sched = build(args, cuda, plan)
     step = MegatronRLStep(ddp, opt, sched, loss_agg=plan.loss_agg, convention=args.convention,
                           schedule_unit=args.schedule_unit, mini_batch_size=plan.mini_batch_size,
-                          norm_length=plan.loss_norm_length)
+                          loss_agg_norm_length=plan.loss_agg_norm_length)
     rank0 = dist.get_rank() == 0
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if rank0:

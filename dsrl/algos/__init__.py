@@ -1,5 +1,11 @@
-"""Advantage estimators (group-relative: GRPO, Dr. GRPO, RLOO, DAPO, GSPO; GAE for PPO) and sample filters;
-pure torch, no distribution."""
+"""The RL algorithms' pieces, pure torch and no distribution: advantage estimators (group-relative: GRPO,
+Dr. GRPO, RLOO, DAPO, GSPO; GAE for PPO, :mod:`.advantages`, :mod:`.gae`), sample filters (:mod:`.filters`),
+the per-algorithm defaults resolved from the config (:mod:`.defaults`) and the per-token objectives
+(:mod:`.losses`: clipped surrogate, KL, value loss).
+
+May import: :mod:`dsrl.config`, :mod:`dsrl.core`; never :mod:`dsrl.rl`, :mod:`dsrl.checkpoint` or
+:mod:`dsrl.cli`.
+"""
 
 from dsrl.algos.advantages import (
     ESTIMATORS,

@@ -36,7 +36,7 @@ from typing import Any
 
 from dsrl.checkpoint import commit as ckpt
 from dsrl.checkpoint import manifest
-from dsrl.config.errors import ConfigError
+from dsrl.config import ConfigError
 from dsrl.core import collectives, timeouts
 from dsrl.core.errors import CheckpointError
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dsrl.config.errors import ConfigError
+from dsrl.config import ConfigError
 
 HF_META = "hf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

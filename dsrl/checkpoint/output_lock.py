@@ -23,7 +23,7 @@ import socket
 import time
 from typing import Any
 
-from dsrl.config.errors import ConfigError
+from dsrl.config import ConfigError
 
 LOCK_NAME = ".dsrl.lock"
 _held: list[OutputLock] = []

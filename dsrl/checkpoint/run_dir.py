@@ -27,7 +27,7 @@ from typing import Any
 from dsrl.checkpoint import commit as ckpt
 from dsrl.checkpoint import manifest
 from dsrl.checkpoint.output_lock import OutputLock
-from dsrl.config.errors import ConfigError
+from dsrl.config import ConfigError
 from dsrl.core import collectives
 
 CHECKPOINTS = "checkpoints"

@@ -48,7 +48,13 @@ from dsrl.cli.check_objectives import (
     reference_per_token_loss,
     value_model,
 )
-from dsrl.config.names import LOSS_AGG_MODES
+from dsrl.config.names import (
+    LOSS_AGG_MODES,
+    SEQ_MEAN_TOKEN_MEAN,
+    SEQ_MEAN_TOKEN_SUM,
+    SEQ_MEAN_TOKEN_SUM_NORM,
+    TOKEN_MEAN,
+)
 
 # Powers of two: lr * g is exact. With 2**20, p_after - p_before is dominated by lr * g even for small
 # gradients (the float32 read-back of p_after then costs ~2**-24 relative); fp16 parameters would overflow
@@ -210,8 +216,8 @@ def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[li
     return out
 
 
-def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str,
-                       norm_length: int, objective: str = "policy") -> dict[str, torch.Tensor]:
+def reference_gradient(model: torch.nn.Module, seqs: list[dict], loss_agg: str,
+                       loss_agg_norm_length: int, objective: str = "policy") -> dict[str, torch.Tensor]:
     """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition."""
     ref = copy.deepcopy(model).double()
     batch = collate(seqs)
@@ -219,18 +225,18 @@ def reference_gradient(model: torch.nn.Module, seqs: list[dict], mode: str,
     mask = batch["loss_mask"].double()
     n_s = mask.sum(-1)
     nonempty = n_s > 0
-    if mode == "token-mean":
+    if loss_agg == TOKEN_MEAN:
         loss = (lt * mask).sum() / mask.sum().clamp(min=1)
-    elif mode == "seq-mean-token-mean":
+    elif loss_agg == SEQ_MEAN_TOKEN_MEAN:
         per_seq = (lt * mask).sum(-1)[nonempty] / n_s[nonempty]
         loss = per_seq.mean() if per_seq.numel() else (lt * 0).sum()
-    elif mode == "seq-mean-token-sum":
+    elif loss_agg == SEQ_MEAN_TOKEN_SUM:
         per_seq = (lt * mask).sum(-1)[nonempty]
         loss = per_seq.mean() if per_seq.numel() else (lt * 0).sum()
-    elif mode == "seq-mean-token-sum-norm":
-        loss = (lt * mask).sum() / (len(seqs) * norm_length)
+    elif loss_agg == SEQ_MEAN_TOKEN_SUM_NORM:
+        loss = (lt * mask).sum() / (len(seqs) * loss_agg_norm_length)
     else:
-        raise ValueError(mode)
+        raise ValueError(loss_agg)
     loss.backward()
     return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
             for n, p in ref.named_parameters()}
@@ -295,7 +301,7 @@ def naive_step(engine: Any, micros: list[dict], n_max: int, loss_fn: Any = per_t
     engine.step()
 
 
-def _check_config(ds_config: dict, stage: int, mode: str, batch: int) -> dict:
+def _check_config(ds_config: dict, stage: int, loss_agg: str, batch: int) -> dict:
     """The run file of one case: the user's ds_config minus optimizer/schedule/logging, plain SGD."""
     cfg = copy.deepcopy(ds_config)
     for k in ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
@@ -306,7 +312,7 @@ def _check_config(ds_config: dict, stage: int, mode: str, batch: int) -> dict:
     cfg["gradient_clipping"] = 0.0
     cfg["dsrl"] = {
         "batch": {"prompts_per_rollout": batch // 2, "samples_per_prompt": 2, "mini_batch_size": batch,
-                  "max_tokens_per_micro_batch": 4 * MAX_LEN, "allow_oversize": True, "loss_agg": mode,
+                  "max_tokens_per_micro_batch": 4 * MAX_LEN, "allow_oversize": True, "loss_agg": loss_agg,
                   "loss_agg_norm_length": MAX_LEN},
         "run": {"rollouts": 1},
         "data": {"max_prompt_tokens": 1},
@@ -315,7 +321,7 @@ def _check_config(ds_config: dict, stage: int, mode: str, batch: int) -> dict:
     return cfg
 
 
-def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, seed: int,
+def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str, seed: int,
              arch: str = "tiny", objective: str = "policy") -> dict[str, Any]:
     import dataclasses
 
@@ -331,7 +337,7 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
     torch.manual_seed(seed)
     model = build_model(arch, objective)
     reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
-    cfg = _check_config(ds_config, stage, mode, B)
+    cfg = _check_config(ds_config, stage, loss_agg, B)
     fp16 = isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") in (True, "auto")
     lr = LR_FP16 if fp16 else LR
     if expert_parallel_enabled(cfg):
@@ -361,9 +367,9 @@ def run_case(ds_config: dict, stage: int, mode: str, split: str, method: str, se
         metrics = engine.train_mini_batch(micros, loss_fn)
     after = full_parameters(engine.engine)
     update = {n: (before[n] - after[n]) / lr for n in before}
-    ref = reference_gradient(reference, seqs, mode, MAX_LEN, objective)
+    ref = reference_gradient(reference, seqs, loss_agg, MAX_LEN, objective)
     moe = any(is_expert(n) for n in ref)
-    return {"stage": stage, "loss_agg": mode, "split": split, "method": method, "world_size": world,
+    return {"stage": stage, "loss_agg": loss_agg, "split": split, "method": method, "world_size": world,
             "objective": objective,
             "replicas": replicas, "tensor_parallel_size": tensor_parallel_size(cfg), "model": arch,
             "expert_parallel_size": expert_parallel_size(cfg),
@@ -411,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_distributed()
     stage0 = (raw.get("zero_optimization") or {}).get("stage", 0)
     stages = [int(s) for s in args.zero_stages.split(",")] if args.zero_stages else [int(stage0)]
-    modes = list(LOSS_AGG_MODES) if args.loss_agg == "all" else args.loss_agg.split(",")
+    loss_aggs = list(LOSS_AGG_MODES) if args.loss_agg == "all" else args.loss_agg.split(",")
     splits = args.splits.split(",")
     tol = args.tolerance if args.tolerance is not None else tolerance_for(raw)
     rank = dist.get_rank()
@@ -427,15 +433,15 @@ def main(argv: list[str] | None = None) -> int:
     arch = model_for(raw, args.model)
     for objective in objectives:
         for stage in stages:
-            for mode in modes:
+            for loss_agg in loss_aggs:
                 for split in splits:
                     for method in methods:
-                        res = run_case(raw, stage, mode, split, method, args.seed, arch, objective)
+                        res = run_case(raw, stage, loss_agg, split, method, args.seed, arch, objective)
                         results.append(res)
                         if method == "dsrl":
                             worst = max(worst, res["error"])
                         if rank == 0:
-                            print(f"{objective:<6} ZeRO-{stage} {mode:<24} {split:<9} ranks={res['world_size']} "
+                            print(f"{objective:<6} ZeRO-{stage} {loss_agg:<24} {split:<9} ranks={res['world_size']} "
                                   f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
                                   f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
     if rank == 0 and args.json:

@@ -41,19 +41,18 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     machine's accelerator unless ``on_gpu`` says otherwise.
     """
     from dsrl.backends.deepspeed.autotp import tensor_parallel_size
-    from dsrl.backends.deepspeed.config import data_parallel_size, sequence_parallel_size
+    from dsrl.backends.deepspeed.config import sequence_parallel_size
+    from dsrl.backends.deepspeed.engine import prepare
     from dsrl.backends.deepspeed.schedule import base_lr, lr_curve
-    from dsrl.backends.deepspeed.validation import accelerator_is_gpu, validated_deepspeed_config
 
     if world_size <= 0:
         raise ConfigError(f"--world_size {world_size} must be a positive number of ranks")
-    plan = BatchPlan.from_config(cfg, data_parallel_size(cfg.ds_config, world_size), dataset_size)
-    on_gpu = accelerator_is_gpu() if on_gpu is None else on_gpu
-    _, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu)
+    prepared = prepare(cfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
+    plan, spec, on_gpu = prepared.plan, prepared.schedule, prepared.on_gpu
     if cfg.dsrl.has_critic:
-        from dsrl.rl.critic import check_critic
+        from dsrl.rl.critic import prepare_critic
 
-        check_critic(cfg, world_size, dataset_size, on_gpu)
+        prepare_critic(cfg, world_size, dataset_size, on_gpu)
     lr = base_lr(cfg)
     first, last = lr_curve(spec, lr if lr is not None else 1.0, [1, plan.total_optimizer_steps])
     extra: dict[str, Any] = {
@@ -70,7 +69,7 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     if lengths is not None and plan.token_budget_mode:
         from dsrl.core.partition import expected_token_budget_stats
 
-        extra["token_budget"] = expected_token_budget_stats(plan, lengths, cfg.dsrl.batch)
+        extra["token_budget"] = expected_token_budget_stats(plan, lengths)
     return plan, extra
 
 

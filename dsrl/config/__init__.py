@@ -1,13 +1,18 @@
 """The ``"dsrl"`` section of a run file: typed models, errors, names, loading, generated docs.
 
-Owns: every rule that needs neither the world size, the data nor a framework (:mod:`.models` and the
-section modules), the one :class:`ConfigError` (import it from here: ``from dsrl.config import
-ConfigError``), the names of algorithms, loss modes and backends (:mod:`.names`, declared once),
-reading a run file with dotted overrides (:mod:`.load`) and docs/configuration.md (:mod:`.docs`).
+Owns: every rule that needs neither the world size, the data nor a framework (one module per
+section group: :mod:`.batch`, :mod:`.run`, :mod:`.model`, :mod:`.data`, :mod:`.rollout`,
+:mod:`.algorithm`, and :mod:`.root` for the rules across sections), the one :class:`ConfigError`
+(import it from here: ``from dsrl.config import ConfigError``), the names of algorithms, loss modes
+and backends (:mod:`.names`, declared once), reading a run file with dotted overrides (:mod:`.load`)
+and docs/configuration.md (:mod:`.docs`).
 
 May import: pydantic and the standard library; no other dsrl package.
 """
 
+from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, SftConfig
+from dsrl.config.batch import BatchConfig
+from dsrl.config.data import DataConfig
 from dsrl.config.errors import ConfigError
 from dsrl.config.load import (
     DS_BATCH_KEYS,
@@ -17,19 +22,11 @@ from dsrl.config.load import (
     parse_override_args,
     parse_override_value,
 )
-from dsrl.config.models import (
-    AlgorithmConfig,
-    BatchConfig,
-    CriticConfig,
-    DataConfig,
-    DsrlConfig,
-    ModelConfig,
-    RolloutConfig,
-    RunConfig,
-    SchedulerConfig,
-    Section,
-    SftConfig,
-)
+from dsrl.config.model import ModelConfig
+from dsrl.config.rollout import RolloutConfig
+from dsrl.config.root import DsrlConfig
+from dsrl.config.run import RunConfig, SchedulerConfig
+from dsrl.config.section import Section
 
 __all__ = [
     "DS_BATCH_KEYS", "AlgorithmConfig", "BatchConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",

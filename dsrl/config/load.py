@@ -1,13 +1,14 @@
 """One JSON file is the whole run: a DeepSpeed ds_config plus a top-level ``"dsrl"`` section.
 
 This module reads that file, applies dotted command-line overrides and validates the ``"dsrl"``
-section into the typed models of :mod:`dsrl.config.models` (the ds_config DeepSpeed sees is derived
-in :mod:`dsrl.backends.deepspeed.config` and validated by DeepSpeed's own classes in :mod:`dsrl.backends.deepspeed.validation`).
+section into the typed models (:class:`dsrl.config.root.DsrlConfig` and its sections). The ds_config
+DeepSpeed sees is derived in :mod:`dsrl.backends.deepspeed.config` and validated by DeepSpeed's own
+classes in :mod:`dsrl.backends.deepspeed.validation`.
 
 Invariants kept here:
 - every error is a :class:`ConfigError` raised *before* any work starts; its message names the
   field (as a dotted path), the offending value(s) and the fix;
-- unknown keys are errors with a close-match suggestion; types are strict (see config_models).
+- unknown keys are errors with a close-match suggestion; types are strict (see :mod:`dsrl.config.section`).
 """
 
 from __future__ import annotations
@@ -20,29 +21,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from dsrl.config.errors import ConfigError, config_error
-from dsrl.config.models import (
-    AlgorithmConfig,
-    BatchConfig,
-    CriticConfig,
-    DataConfig,
-    DsrlConfig,
-    ModelConfig,
-    RolloutConfig,
-    RunConfig,
-    SchedulerConfig,
-    Section,
-    SftConfig,
-)
-from dsrl.config.names import ALGORITHM_LOSS_AGG, ALGORITHM_NAMES, LOSS_AGG_MODES
+from dsrl.config.root import DsrlConfig
 
 DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
-__all__ = [
-    "ALGORITHM_LOSS_AGG", "ALGORITHM_NAMES", "DS_BATCH_KEYS", "LOSS_AGG_MODES", "AlgorithmConfig", "BatchConfig",
-    "Config", "ConfigError", "CriticConfig", "DataConfig", "DsrlConfig", "ModelConfig", "RolloutConfig", "RunConfig",
-    "SchedulerConfig", "Section", "SftConfig", "apply_overrides", "load_config", "parse_override_args",
-    "parse_override_value",
-]
+__all__ = ["DS_BATCH_KEYS", "Config", "apply_overrides", "load_config", "parse_override_args", "parse_override_value"]
 
 
 class Config(BaseModel):

@@ -60,6 +60,12 @@ ALGORITHM_LOSS_AGG: dict[str, str] = {name: d["loss_agg"] for name, d in ALGORIT
 GROUP_RELATIVE_ALGORITHMS: tuple[str, ...] = tuple(n for n, d in ALGORITHM_DEFAULTS.items() if d["group_relative"])
 CRITIC_ALGORITHMS: tuple[str, ...] = tuple(n for n, d in ALGORITHM_DEFAULTS.items() if d["critic"])
 
+# ---------------------------------------------------------------------------- rollout backends
+# hf: transformers generate; cb: transformers continuous batching; auto: hf or cb per call; vllm: a vLLM engine.
+RolloutBackendName = Literal["hf", "cb", "auto", "vllm"]
+ROLLOUT_BACKENDS: tuple[str, ...] = get_args(RolloutBackendName)
+HF_BACKEND, CB_BACKEND, AUTO_BACKEND, VLLM_BACKEND = ROLLOUT_BACKENDS
+
 # ---------------------------------------------------------------------------- everything else
 TaskName = Literal["reverse", "copy", "add"]  # dsrl.tasks.TASKS holds exactly these
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)

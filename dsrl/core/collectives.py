@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from dsrl.config.errors import ConfigError
+from dsrl.config import ConfigError
 from dsrl.core.errors import RunError
 
 T = TypeVar("T")

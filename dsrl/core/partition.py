@@ -330,23 +330,19 @@ def token_budget_micro_batches(indices: Sequence[int], lengths: Sequence[int] | 
     return [[idx[mb].tolist() for mb in micro] + [[] for _ in range(count - len(micro))] for micro in best[1]]
 
 
-def partition_mini_batch(
-    indices: Sequence[int], lengths: Sequence[int] | np.ndarray | None, dp: int, batch_cfg: Any,
-    packed: bool = False,
-) -> Partition:
-    """Partition one mini-batch as ``batch_cfg`` (a :class:`dsrl.config.BatchConfig`) says: fixed
-    micro-batches of ``micro_batch_size_per_rank`` or token-budget micro-batches of
-    ``max_tokens_per_micro_batch`` (with ``allow_oversize`` and ``balance_attention_coef``).
-    ``packed`` = the model runs padding-free packed micro-batches (``dsrl.model.packing``)."""
-    m = getattr(batch_cfg, "micro_batch_size_per_rank", None)
+def partition_mini_batch(indices: Sequence[int], lengths: Sequence[int] | np.ndarray | None, plan: Any) -> Partition:
+    """Partition one mini-batch over ``plan.data_parallel_size`` ranks as the :class:`dsrl.core.plan.BatchPlan`
+    says: fixed micro-batches of ``micro_batch_size_per_rank``, or token-budget micro-batches of
+    ``max_tokens_per_micro_batch`` (with ``allow_oversize``, ``balance_attention_coef`` and ``packing``: the
+    model runs padding-free packed micro-batches)."""
+    dp, m = plan.data_parallel_size, plan.micro_batch_size_per_rank
     if m is not None:
         return fixed_micro_batches(indices, dp, m)
     if lengths is None:
         raise ValueError("token-budget mode (max_tokens_per_micro_batch) needs the sequence lengths")
-    return token_budget_micro_batches(indices, lengths, dp, batch_cfg.max_tokens_per_micro_batch,
-                                      allow_oversize=bool(getattr(batch_cfg, "allow_oversize", False)),
-                                      attention_coef=float(getattr(batch_cfg, "balance_attention_coef", 0) or 0),
-                                      packed=packed)
+    return token_budget_micro_batches(indices, lengths, dp, plan.max_tokens_per_micro_batch,
+                                      allow_oversize=plan.allow_oversize, attention_coef=plan.balance_attention_coef,
+                                      packed=plan.packing)
 
 
 def partition_stats(partition: Partition, lengths: Sequence[int] | np.ndarray, packed: bool = False,
@@ -384,12 +380,12 @@ def partition_stats(partition: Partition, lengths: Sequence[int] | np.ndarray, p
             "max_over_mean_load": max(loads) / mean if mean > 0 else 1.0, "max_micro_batch_tokens": biggest}
 
 
-def expected_token_budget_stats(plan: Any, lengths: Sequence[int], batch_cfg: Any, samples: int | None = None,
-                                seed: int = 0, packed: bool = False) -> dict[str, Any]:
+def expected_token_budget_stats(plan: Any, lengths: Sequence[int], samples: int | None = None,
+                                seed: int = 0) -> dict[str, Any]:
     """What token-budget mode will do on a length distribution (``dsrl plan --lengths FILE``).
 
     Draws mini-batches of ``plan.mini_batch_size`` lengths (with replacement) from ``lengths``,
-    partitions each over ``plan.data_parallel_size`` ranks with ``batch_cfg``'s budget, and
+    partitions each over ``plan.data_parallel_size`` ranks with the plan's budget, and
     averages :func:`partition_stats`. Keys: ``micro_batches_per_step`` (mean per rank),
     ``micro_batches_per_step_max``, ``padding_fraction``, ``max_over_mean_load``, ``samples``,
     ``oversize_sequences`` (lengths above the budget), ``max_tokens_per_micro_batch``.
@@ -397,10 +393,10 @@ def expected_token_budget_stats(plan: Any, lengths: Sequence[int], batch_cfg: An
     pool = np.asarray([int(x) for x in lengths], dtype=np.int64)
     if pool.size == 0:
         raise ConfigError("--lengths: the file holds no sequence lengths")
-    T = int(plan.max_tokens_per_micro_batch or batch_cfg.max_tokens_per_micro_batch)
+    T = int(plan.max_tokens_per_micro_batch)
     B, dp = int(plan.mini_batch_size), int(plan.data_parallel_size)
     oversize = int((pool > T).sum())
-    allow = bool(getattr(batch_cfg, "allow_oversize", False))
+    allow, packed = bool(plan.allow_oversize), bool(plan.packing)
     if oversize and not allow:
         raise ConfigError(f"--lengths: {oversize} of {pool.size} sequences are longer than max_tokens_per_micro_batch "
                          f"= {T} (dsrl.batch.max_tokens_per_micro_batch). Fix: raise it, or set "
@@ -408,7 +404,7 @@ def expected_token_budget_stats(plan: Any, lengths: Sequence[int], batch_cfg: An
     if samples is None:
         samples = max(1, min(16, 200_000 // max(B, 1)))
     rng = np.random.default_rng(seed)
-    coef = float(getattr(batch_cfg, "balance_attention_coef", 0.0) or 0.0)
+    coef = float(plan.balance_attention_coef)
     stats = []
     for _ in range(samples):
         draw = rng.choice(pool, size=B, replace=True)

@@ -51,7 +51,7 @@ class BatchPlan:
     sequences_per_rank_per_step: float
     data_parallel_size: int
     loss_agg: str
-    loss_norm_length: int
+    loss_agg_norm_length: int
     dataset_size: int | None
     rollouts: int
     rollout_rule: str
@@ -62,6 +62,9 @@ class BatchPlan:
     critic_warmup_rollouts: int = 0  # K: critic-only rollouts at the start (part of `rollouts`)
     critic_optimizer_steps: int = 0  # the critic's scheduler horizon: rollouts * E*R/B (0 = no critic)
     sft_steps: int = 0  # supervised warm-up steps of the policy before rollout 1
+    allow_oversize: bool = False  # token budget: a sequence longer than T is placed alone
+    balance_attention_coef: float = 0.0  # token budget: rank cost = tokens + coef * tokens^2 / T
+    packing: bool = False  # micro-batches are padding-free packed rows (dsrl.model.packing)
 
     @property
     def token_budget_mode(self) -> bool:
@@ -154,7 +157,7 @@ class BatchPlan:
             sequences_per_rank_per_step=B / D,
             data_parallel_size=D,
             loss_agg=loss_agg,
-            loss_norm_length=d.loss_norm_length,
+            loss_agg_norm_length=d.loss_agg_norm_length,
             dataset_size=dataset_size,
             rollouts=rollouts,
             rollout_rule=rule,
@@ -165,6 +168,9 @@ class BatchPlan:
             critic_warmup_rollouts=warmup,
             critic_optimizer_steps=rollouts * steps_per_rollout if d.has_critic else 0,
             sft_steps=d.sft.steps,
+            allow_oversize=b.allow_oversize,
+            balance_attention_coef=b.balance_attention_coef,
+            packing=d.model.packing,
         )
 
     def deepspeed_batch_fields(self) -> dict[str, Any]:

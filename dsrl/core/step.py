@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl.config.names import LOSS_AGG_MODES
 from dsrl.core.parallel import ParallelView
 from dsrl.core.weights import (
     GlobalCounts,
@@ -178,7 +177,7 @@ class StepCore(ABC):
     schedule's state, ``state_dict``/``load_state_dict``, saved with the counters), provides
     :attr:`collective_device` (where count/metric tensors live for the view's collectives),
     :meth:`_forward_backward` and :meth:`_update`, and calls :meth:`run_step`.
-    ``loss_agg``, ``mini_batch_size`` (B) and ``norm_length`` (L_norm; both only needed by
+    ``loss_agg``, ``mini_batch_size`` (B) and ``loss_agg_norm_length`` (L_norm; both only needed by
     ``seq-mean-token-sum-norm``) are plain attributes and may be changed between steps.
     """
 
@@ -186,11 +185,10 @@ class StepCore(ABC):
     same_shape_fillers: bool = False
 
     def __init__(self, view: ParallelView, schedule: Any, *, loss_agg: str, mini_batch_size: int | None,
-                 norm_length: int | None):
-        if loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGG_MODES}")
+                 loss_agg_norm_length: int | None):
         self.view, self.schedule = view, schedule
-        self.loss_agg, self.mini_batch_size, self.norm_length = loss_agg, mini_batch_size, norm_length
+        self.loss_agg, self.mini_batch_size = loss_agg, mini_batch_size
+        self.loss_agg_norm_length = loss_agg_norm_length
         self.optimizer_steps = self.skipped_steps = 0  # applied / not applied updates
         self._template: MicroBatch | None = None
 
@@ -264,7 +262,7 @@ class StepCore(ABC):
         items = [
             WeightedMicroBatch(mb, token_weights(self.loss_agg, mb, counts.global_counts,
                                                  mini_batch_size=self.mini_batch_size,
-                                                 norm_length=self.norm_length), filler)
+                                                 loss_agg_norm_length=self.loss_agg_norm_length), filler)
             for mb, filler in runs
         ]
         return StepInputs(counts, items)

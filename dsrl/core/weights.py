@@ -114,31 +114,32 @@ def zero_weight_micro_batch(micro: Mapping[str, Any], one_row: bool = False) -> 
 
 
 def token_weights(
-    mode: str,
+    loss_agg: str,
     micro: dict,
     counts: GlobalCounts,
     *,
     mini_batch_size: int | None = None,
-    norm_length: int | None = None,
+    loss_agg_norm_length: int | None = None,
 ) -> torch.Tensor:
-    """Per-token weights w_t ``[b, t]`` (float64) of one micro-batch under ``mode``."""
+    """Per-token weights w_t ``[b, t]`` (float64) of one micro-batch under ``loss_agg`` (one of
+    :data:`dsrl.config.names.LOSS_AGG_MODES`, validated by the config)."""
     mask = valid_mask(micro["loss_mask"])
     w = mask.to(torch.float64)
-    if mode == TOKEN_MEAN:
+    if loss_agg == TOKEN_MEAN:
         return w / max(counts.tokens, 1)
-    if mode == SEQ_MEAN_TOKEN_MEAN:
+    if loss_agg == SEQ_MEAN_TOKEN_MEAN:
         n_s = _per_token(sequence_valid_tokens(micro)).clamp(min=1).to(w.device)
         return w / n_s / max(counts.sequences, 1)
-    if mode == SEQ_MEAN_TOKEN_SUM:
+    if loss_agg == SEQ_MEAN_TOKEN_SUM:
         return w / max(counts.sequences, 1)
-    if mode == SEQ_MEAN_TOKEN_SUM_NORM:
-        if not mini_batch_size or not norm_length:
+    if loss_agg == SEQ_MEAN_TOKEN_SUM_NORM:
+        if not mini_batch_size or not loss_agg_norm_length:
             raise ValueError(
-                "seq-mean-token-sum-norm needs mini_batch_size (B) and norm_length (L_norm): "
+                "seq-mean-token-sum-norm needs mini_batch_size (B) and loss_agg_norm_length (L_norm): "
                 "set dsrl.batch.loss_agg_norm_length or dsrl.rollout.max_new_tokens"
             )
-        return w / (mini_batch_size * norm_length)
-    raise ValueError(f"loss_agg {mode!r} is not one of {LOSS_AGG_MODES}")
+        return w / (mini_batch_size * loss_agg_norm_length)
+    raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGG_MODES}")
 
 
 def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,9 @@ from typing import Any
 import torch
 
 from dsrl.algos.losses import clipped_value_loss
+from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+from dsrl.backends.deepspeed.config import sequence_parallel_size
+from dsrl.backends.deepspeed.engine import EngineSpec, initialize, prepare
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.config.names import TOKEN_MEAN
 
@@ -67,24 +70,17 @@ def critic_config(cfg: Config) -> Config:
     return load_config({**ds, "dsrl": section})
 
 
-def check_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> Any:
-    """Validate the critic's half of the run file as the policy's is (DeepSpeed's own classes, the schedule
-    with the critic's horizon) before any model is built; returns the critic's BatchPlan."""
-    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
-    from dsrl.backends.deepspeed.config import data_parallel_size, sequence_parallel_size
-    from dsrl.backends.deepspeed.validation import validated_deepspeed_config
-    from dsrl.core.plan import BatchPlan
-
+def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec:
+    """The critic's :class:`EngineSpec`: its half of the run file validated as the policy's is (DeepSpeed's own
+    classes, the schedule with the critic's horizon), once, before any model is built."""
     ccfg = critic_config(cfg)
     if tensor_parallel_size(ccfg.ds_config) > 1 or sequence_parallel_size(ccfg.ds_config) > 1:
         raise ConfigError("dsrl.algorithm.name = 'ppo': the critic does not run under AutoTP or Ulysses sequence "
                           "parallelism yet. Fix: use a data-parallel layout (ZeRO 0-3), or a critic-free algorithm.")
-    plan = BatchPlan.from_config(ccfg, data_parallel_size(ccfg.ds_config, world_size), dataset_size)
     try:
-        validated_deepspeed_config(ccfg, plan, on_gpu=on_gpu)
+        return prepare(ccfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
     except ConfigError as e:
         raise ConfigError(f"the critic's run file (the policy's with dsrl.critic swapped in): {e}") from None
-    return plan
 
 
 def build_value_model(cfg: Config, tokenizer: Any, on_gpu: bool, seed: int) -> torch.nn.Module:
@@ -136,12 +132,10 @@ class Critic:
         self.value_clip = value_clip
 
     @classmethod
-    def build(cls, cfg: Config, tokenizer: Any, on_gpu: bool, dataset_size: int | None) -> Critic:
-        from dsrl.backends.deepspeed.engine import initialize
-
-        ccfg = critic_config(cfg)
-        model = build_value_model(ccfg, tokenizer, on_gpu, seed=cfg.dsrl.run.seed)
-        return cls(initialize(model, ccfg, dataset_size=dataset_size), cfg.dsrl.critic.value_clip)
+    def build(cls, spec: EngineSpec, tokenizer: Any, seed: int) -> Critic:
+        """The critic's engine from its :func:`prepare_critic` spec, the value model seeded like the policy."""
+        model = build_value_model(spec.config, tokenizer, spec.on_gpu, seed=seed)
+        return cls(initialize(model, spec), spec.config.dsrl.critic.value_clip)
 
     def values(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """The rollout's values per micro-batch (``[b, t]`` on the CPU), before any update; every rank runs

@@ -329,3 +329,33 @@ class PromptSampler:
         self.epoch, self.offset, self.rollouts = int(state["epoch"]), int(state["offset"]), int(state["rollouts"])
         if not 0 <= self.offset < self.num_prompts:
             raise ConfigError(f"corrupt prompt-sampler state: offset {self.offset} outside [0, {self.num_prompts}).")
+
+
+class PromptSource:
+    """The run's prompts as the experience maker sees them: the records, the resumable stream of indices
+    (:class:`PromptSampler`) and their encoding by the run's tokenizer (``data.max_prompt_tokens``,
+    ``data.chat_template``). Every rank holds the same one, so every rank draws the same indices."""
+
+    def __init__(self, records: list[dict[str, Any]], sampler: PromptSampler, tokenizer: Any, data_cfg: DataConfig):
+        self.records, self.sampler, self.tokenizer, self.data_cfg = records, sampler, tokenizer, data_cfg
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def next_indices(self) -> list[int]:
+        """The next rollout's ``P`` prompt indices (advances the sampler)."""
+        return self.sampler.next_indices()
+
+    @property
+    def drawn(self) -> int:
+        """Prompt indices drawn so far (every draw, dynamic-sampling refills included)."""
+        return self.sampler.epoch * self.sampler.num_prompts + self.sampler.offset
+
+    def encode(self, indices: list[int]) -> tuple[list[dict[str, Any]], list[list[int]]]:
+        """(the records, their prompt token ids) of ``indices``."""
+        records = [self.records[i] for i in indices]
+        if not records:
+            return [], []
+        d = self.data_cfg
+        return records, encode_prompts(self.tokenizer, [r["prompt"] for r in records], d.max_prompt_tokens,
+                                       d.chat_template)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -37,12 +38,16 @@ import torch.distributed as dist
 
 from dsrl import algos
 from dsrl.algos.losses import kl_estimate
+from dsrl.config import DsrlConfig
 from dsrl.core.collectives import all_reduce_floats
 from dsrl.core.logprobs import token_logprobs
+from dsrl.core.plan import BatchPlan
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.batching import Sample, chunks, collate, completion_positions
+from dsrl.rl.data import PromptSource
 from dsrl.rl.models import forward_logits
 from dsrl.rl.replica_data import is_source, share_with_tensor_peers
+from dsrl.rollout.base import RolloutBackend
 
 
 class _NoWatch:
@@ -95,62 +100,82 @@ class RolloutStats:
         return RolloutStats(**dict(zip(names, totals)))
 
 
-class ExperienceMaker:
-    """Generates, scores and prepares this rank's samples of each rollout (module docstring)."""
+@dataclass
+class Rewards:
+    """What scores a rollout's completions: the rule reward (a task's or ``data.reward_fn``, already guarded by
+    :mod:`dsrl.rl.reward_contract`), the accuracy metric, and a learned reward model; each may be None."""
 
-    def __init__(self, trainer: Any):
-        # The trainer owns the engine, backend, data and RNG; this class only reads them.
-        self.t = trainer
-        self.d = trainer.d
+    reward_fn: Callable[..., list[float]] | None = None
+    accuracy_fn: Callable[..., list[Any]] | None = None
+    model: Any = None  # dsrl.rl.reward_model.RewardModel
+
+
+class ExperienceMaker:
+    """Generates, scores and prepares this rank's samples of each rollout (module docstring).
+
+    Collaborators, each used for what its name says: ``policy`` (the RLEngine: its parallel view, device
+    and no-grad forwards for the old log-probs), ``backend`` (generation), ``prompts`` (the prompt stream
+    and its encoding), ``rewards``, ``algo`` (the resolved algorithm), and optionally ``ref_model`` (KL
+    reference), ``critic`` (values) and ``watch`` (bounded phase ends)."""
+
+    def __init__(self, cfg: DsrlConfig, plan: BatchPlan, policy: Any, backend: RolloutBackend, tokenizer: Any,
+                 prompts: PromptSource, rewards: Rewards, algo: algos.ResolvedAlgorithm, *, ref_model: Any = None,
+                 critic: Any = None, watch: Any = None):
+        self.d, self.plan, self.policy, self.backend = cfg, plan, policy, backend
+        self.tokenizer, self.prompts, self.rewards, self.algo = tokenizer, prompts, rewards, algo
+        self.ref_model, self.critic, self.watch = ref_model, critic, watch or _NO_WATCH
+        self.view = policy.view
+        self.replica = self.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
+        self.pad_id = tokenizer.pad_token_id
+        self._rm_fillers = 0
+
+    @property
+    def device(self) -> Any:
+        return self.policy.device
 
     # -- prompts and generation -------------------------------------------------------------------
     def _draw(self) -> list[int]:
         """The next P prompt indices (same on every rank) cut to this replica's slice."""
-        t = self.t
-        idx = t.sampler.next_indices()
-        t.prompts_drawn += len(idx)
-        per, replica = t.plan.prompts_per_rank, t.replica
-        return idx[replica * per:(replica + 1) * per]
+        idx = self.prompts.next_indices()
+        per = self.plan.prompts_per_rank
+        return idx[self.replica * per:(self.replica + 1) * per]
 
     def _generate_groups(self, indices: list[int], seed: int) -> list[list[Sample]]:
-        t, d = self.t, self.d
-        records = [t.prompts[i] for i in indices]
-        prompt_ids = t.encode(t.tokenizer, [r["prompt"] for r in records], d.data.max_prompt_tokens,
-                              d.data.chat_template) if records else []
-        watch = getattr(t, "watch", None) or _NO_WATCH  # bounded phase ends (dsrl.runtime.watchdog)
-        with watch.phase("generation"):
+        records, prompt_ids = self.prompts.encode(indices)
+        with self.watch.phase("generation"):
             # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
-            completions = t.backend.generate(prompt_ids, t.plan.samples_per_prompt, seed=seed)
-        with watch.phase("reward"):
+            completions = self.backend.generate(prompt_ids, self.plan.samples_per_prompt, seed=seed)
+        with self.watch.phase("reward"):
             scores = None
-            if t.reward_model is not None:  # on every rank: a sharded reward model's forwards are collective
-                before = t.reward_model.filler_forwards
-                scores = t.reward_model.score([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
-                self._rm_fillers += t.reward_model.filler_forwards - before
+            model = self.rewards.model
+            if model is not None:  # on every rank: a sharded reward model's forwards are collective
+                before = model.filler_forwards
+                scores = model.score([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
+                self._rm_fillers += model.filler_forwards - before
             # Tensor peers adopt their source's scored samples (dsrl.rl.replica_data rule 2).
-            return share_with_tensor_peers(t.rl.view, lambda: self._score(indices, records, completions, scores))
+            return share_with_tensor_peers(self.view, lambda: self._score(indices, records, completions, scores))
 
     def _score(self, indices: list[int], records: list[dict], completions: list,
                model_scores: list[float] | None = None) -> list[list[Sample]]:
         """Rewards (and accuracies) of one round's completions, as one group of samples per prompt:
         ``rule_reward_weight * rule reward + reward_model_weight * reward-model score`` (each when present)."""
-        t, data = self.t, self.d.data
+        data, r = self.d.data, self.rewards
         if not completions:
             return []
-        texts = t.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
         prompts_rep = [records[c.prompt_index]["prompt"] for c in completions]
         answers_rep = [records[c.prompt_index].get("answer") for c in completions]
         rewards = [0.0] * len(completions)
-        if t.reward_fn is not None:
-            rewards = [data.rule_reward_weight * float(r) for r in t.reward_fn(prompts_rep, texts, answers_rep)]
+        if r.reward_fn is not None:
+            rewards = [data.rule_reward_weight * float(x) for x in r.reward_fn(prompts_rep, texts, answers_rep)]
         if model_scores is not None:
-            rewards = [r + data.reward_model_weight * m for r, m in zip(rewards, model_scores)]
-        accs = t.accuracy_fn(prompts_rep, texts, answers_rep) if t.accuracy_fn else [None] * len(texts)
+            rewards = [x + data.reward_model_weight * m for x, m in zip(rewards, model_scores)]
+        accs = r.accuracy_fn(prompts_rep, texts, answers_rep) if r.accuracy_fn else [None] * len(texts)
         groups: list[list[Sample]] = [[] for _ in indices]
-        for c, r, acc in zip(completions, rewards, accs):
+        for c, reward, acc in zip(completions, rewards, accs):
             groups[c.prompt_index].append(Sample(
                 tokens=list(c.prompt_ids) + list(c.completion_ids), prompt_len=len(c.prompt_ids),
-                group=indices[c.prompt_index], reward=r, finished=bool(c.finished), accuracy=acc))
+                group=indices[c.prompt_index], reward=reward, finished=bool(c.finished), accuracy=acc))
         return groups
 
     def _shape_rewards(self, samples: list[Sample]) -> None:
@@ -169,20 +194,19 @@ class ExperienceMaker:
     def collect(self, rollout_index: int) -> tuple[list[Sample], RolloutStats, int]:
         """This replica's P/D prompt groups of G samples with shaped rewards (dynamic sampling
         included), their statistics, and the number of sampling rounds (equal on every rank)."""
-        t = self.t
         mine = self._draw()
         per = len(mine)
         rounds, kept, spare = 0, [], []
         stats = RolloutStats()
         self._rm_fillers = 0
-        dynamic = t.algo.dynamic_sampling
+        dynamic = self.algo.dynamic_sampling
         take = mine
         while True:
-            seed = derived_seed(self.d.run.seed, rollout_index, rounds, t.replica)
+            seed = derived_seed(self.d.run.seed, rollout_index, rounds, self.replica)
             groups = self._generate_groups(take, seed)
             rounds += 1
-            counted = float(is_source(t.rl.view))  # statistics count each replica's data once
-            stats.reward_timeouts += counted * getattr(t.reward_fn, "take_timeouts", int)()
+            counted = float(is_source(self.view))  # statistics count each replica's data once
+            stats.reward_timeouts += counted * getattr(self.rewards.reward_fn, "take_timeouts", int)()
             for g in groups:
                 self._shape_rewards(g)
                 flat = bool(algos.zero_variance_groups(masked_rewards(g), len(g))[0])
@@ -192,7 +216,7 @@ class ExperienceMaker:
             if not dynamic:
                 break
             need = per - len(kept)
-            global_need = all_reduce_floats([max(need, 0)], dist.ReduceOp.MAX, t.device)[0]
+            global_need = all_reduce_floats([max(need, 0)], dist.ReduceOp.MAX, self.device)[0]
             if global_need <= 0 or rounds >= self.d.algorithm.max_sampling_rounds:
                 break
             take = self._draw()[:max(need, 0)]
@@ -213,26 +237,25 @@ class ExperienceMaker:
     def score_logprobs(self, samples: list[Sample]) -> None:
         """Old (and reference) log-probs of every local sample, once per rollout, before any update;
         with ``kl_in = "reward"`` the reward is penalised by the summed k1 KL here."""
-        t = self.t
         groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
-        micros = [collate(g, t.pad_id, t.device, with_logprobs=False) for g in groups]
+        micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
         fn = self._logprob_fn()
-        outs = t.rl.forward_no_grad(micros, fn)
+        outs = self.policy.forward_no_grad(micros, fn)
         for g, lp in zip(groups, outs):
             for s, row, sl in zip(g, lp, completion_positions(g)):
                 s.old_logprobs = row[sl].tolist()
-        if t.critic is not None:
-            for g, values in zip(groups, t.critic.values(micros)):
+        if self.critic is not None:
+            for g, values in zip(groups, self.critic.values(micros)):
                 for s, row, sl in zip(g, values, completion_positions(g)):
                     s.values = row[sl].tolist()
-        if t.ref_model is None:
+        if self.ref_model is None:
             return
         with torch.no_grad():
             for g, micro in zip(groups, micros):
-                lp = fn(t.ref_model, micro)
+                lp = fn(self.ref_model, micro)
                 for s, row, sl in zip(g, lp, completion_positions(g)):
                     s.ref_logprobs = row[sl].tolist()
-        if self.d.algorithm.kl_in == "reward" and t.critic is None:  # with a critic: per token, in gae_advantages
+        if self.d.algorithm.kl_in == "reward" and self.critic is None:  # with a critic: per token, in gae_advantages
             coef = self.d.algorithm.kl_coef
             for s in samples:
                 kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1").sum().item()
@@ -240,8 +263,8 @@ class ExperienceMaker:
 
     def advantages(self, samples: list[Sample]) -> None:
         """Group advantages from the (penalised) rewards; masked samples get 0."""
-        adv = algos.compute_advantages(self.d.algorithm.name, masked_rewards(samples), self.t.plan.samples_per_prompt,
-                                       normalize_std=self.t.algo.normalize_std)
+        adv = algos.compute_advantages(self.d.algorithm.name, masked_rewards(samples), self.plan.samples_per_prompt,
+                                       normalize_std=self.algo.normalize_std)
         for s, v in zip(samples, adv.tolist()):
             s.advantage = v if (s.active and math.isfinite(v)) else 0.0
 
@@ -249,10 +272,10 @@ class ExperienceMaker:
         """Per-token advantages and returns by GAE from the critic's rollout values (:mod:`dsrl.algos.gae`),
         whitened over the valid tokens of the whole rollout when ``normalize_std`` (one all-reduce; tensor
         peers count once). Masked samples get zero advantages."""
-        a, t = self.d.algorithm, self.t
+        a = self.d.algorithm
         lengths = [len(s.values) if s.active else 0 for s in samples]
         penalties = None
-        if t.ref_model is not None and a.kl_in == "reward":
+        if self.ref_model is not None and a.kl_in == "reward":
             penalties = [(-a.kl_coef * kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs),
                                                    "k1")).tolist() for s in samples]
         rewards = algos.token_rewards([s.reward if s.active else 0.0 for s in samples], lengths, penalties)
@@ -262,11 +285,11 @@ class ExperienceMaker:
             values[i, :lengths[i]] = torch.tensor(s.values[:lengths[i]], dtype=torch.float64)
         mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
         adv, returns = algos.gae(rewards, values, mask, a.gamma, a.lam)
-        if t.algo.normalize_std:
-            counted = float(is_source(t.rl.view))
+        if self.algo.normalize_std:
+            counted = float(is_source(self.view))
             picked = adv[mask]
             n, total, sq = all_reduce_floats([counted * picked.numel(), counted * float(picked.sum()),
-                                              counted * float(picked.square().sum())], device=t.device)
+                                              counted * float(picked.square().sum())], device=self.device)
             mean = total / n if n else 0.0
             std = math.sqrt(max(sq / n - mean * mean, 0.0)) if n else 1.0
             adv = algos.whiten(adv, mask, mean, std)
@@ -281,14 +304,14 @@ class ExperienceMaker:
         t0 = time.perf_counter()
         # A backend with its own copy of the weights (vllm) takes the policy's current ones (every rank:
         # a parameter gather under ZeRO-3); shared-weight backends do nothing.
-        self.t.backend.sync_weights()
+        self.backend.sync_weights()
         samples, stats, rounds = self.collect(rollout_index)
         self.score_logprobs(samples)
-        if self.t.critic is not None:
+        if self.critic is not None:
             self.gae_advantages(samples)
         else:
             self.advantages(samples)
-        if is_source(self.t.rl.view):
+        if is_source(self.view):
             stats.add_samples(samples)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds

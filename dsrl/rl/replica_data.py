@@ -7,7 +7,7 @@ view.data_parallel_size`` their number (:class:`dsrl.core.parallel.ParallelView`
 1. prompts and generation seeds are chosen per replica (``ExperienceMaker`` slices the P prompts of
    a rollout by replica and seeds from it), so every rank of a replica generates the same thing and
    runs the same sharded forwards in lockstep (the hf backend's synchronized stop,
-   ``dsrl.rollout.hf.TensorPeersStop``, keeps tensor peers together even if their sampling drifted);
+   ``dsrl.rollout.policy.TensorPeersStop``, keeps tensor peers together even if their sampling drifted);
 2. one rank per replica is its *source* (tensor and sequence rank 0). After generation the tensor
    peers adopt the source's scored samples (:func:`share_with_tensor_peers`), so they hold identical
    data even if a reward function is not deterministic, and the later log-prob forwards see
@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl.core.parallel import ParallelView
+from dsrl.rl.batching import collate, collate_packed
 from dsrl.rl.sample_codec import decode_sample, encode_sample
 
 T = TypeVar("T")
@@ -73,6 +74,14 @@ def my_part(view: ParallelView, per_replica: Sequence[T]) -> T:
         raise ValueError(f"a mini-batch partitioned into {len(per_replica)} parts for {view.data_parallel_size} "
                          "data-parallel replicas")
     return per_replica[view.data_parallel_rank]
+
+
+def my_micro_batches(samples: Any, per_replica: Sequence[list[list[int]]], view: ParallelView, pad_id: int,
+                     device: Any, packed: bool = False) -> list[dict[str, torch.Tensor]]:
+    """This rank's collated micro-batches of one partitioned mini-batch (``samples[i]`` is sample ``i``;
+    padded rows, or packed ones with ``packed``), empty micro-batches left out (rule 4)."""
+    make = collate_packed if packed else collate
+    return [make([samples[i] for i in ids], pad_id, device) for ids in my_part(view, per_replica) if ids]
 
 
 def needed_by_replica(partitions: Sequence[Partition], replicas: int, size: int) -> list[list[int]]:

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dsrl.config.errors import ConfigError
+from dsrl.config import ConfigError
 
 log = logging.getLogger("dsrl.reward")
 

@@ -27,36 +27,39 @@ from typing import Any
 
 import torch
 
-from dsrl.config import ConfigError
+from dsrl.config import ConfigError, DsrlConfig
 from dsrl.core.logprobs import token_logprobs
 from dsrl.core.partition import partition_mini_batch
+from dsrl.core.plan import BatchPlan
 from dsrl.rl.batching import Sample
+from dsrl.rl.data import PromptSource
 from dsrl.rl.models import forward_logits
+from dsrl.rl.replica_data import my_micro_batches
 
 
 class SupervisedWarmup:
-    """The ``dsrl.sft`` phase of a :class:`dsrl.rl.trainer.Trainer` (module docstring)."""
+    """The ``dsrl.sft`` phase (module docstring): ``policy`` (the RLEngine) takes ``cfg.sft.steps`` exact steps on
+    (prompt, reference answer) pairs of ``prompts`` (a :class:`dsrl.rl.data.PromptSource`), partitioned by ``plan``."""
 
-    def __init__(self, trainer: Any):
-        self.t = trainer
-        d = trainer.d
-        tok = trainer.tokenizer
-        pool = [r for r in trainer.prompts if isinstance(r.get("answer"), str)]
+    def __init__(self, cfg: DsrlConfig, plan: BatchPlan, policy: Any, tokenizer: Any, prompts: PromptSource):
+        self.d, self.plan, self.policy, self.pad_id = cfg, plan, policy, tokenizer.pad_token_id
+        pool = [i for i, r in enumerate(prompts.records) if isinstance(r.get("answer"), str)]
         if not pool:
             raise ConfigError(
-                f"dsrl.sft.steps = {d.sft.steps} needs reference answers, but no prompt has a string answer "
-                f"(dsrl.data.answer_key = {d.data.answer_key!r}). Fix: point answer_key at a text column, use a "
+                f"dsrl.sft.steps = {cfg.sft.steps} needs reference answers, but no prompt has a string answer "
+                f"(dsrl.data.answer_key = {cfg.data.answer_key!r}). Fix: point answer_key at a text column, use a "
                 "built-in task, or set dsrl.sft.steps to 0."
             )
-        prompt_ids = trainer.encode(tok, [r["prompt"] for r in pool], d.data.max_prompt_tokens, d.data.chat_template)
-        answers = tok([r["answer"] for r in pool], add_special_tokens=False)["input_ids"]
-        limit = d.rollout.max_new_tokens
-        self.pairs = [(list(p), (list(a) + [tok.eos_token_id])[:limit]) for p, a in zip(prompt_ids, answers)]
+        records, prompt_ids = prompts.encode(pool)
+        answers = tokenizer([r["answer"] for r in records], add_special_tokens=False)["input_ids"]
+        limit = cfg.rollout.max_new_tokens
+        eos = tokenizer.eos_token_id
+        self.pairs = [(list(p), (list(a) + [eos])[:limit]) for p, a in zip(prompt_ids, answers)]
 
     def samples(self, step: int) -> list[Sample]:
         """The mini-batch of step ``step`` (0-based): B (prompt, answer) sequences, the same on every rank."""
-        rng = random.Random(f"dsrl-sft:{self.t.d.run.seed}:{step}")
-        picks = [rng.randrange(len(self.pairs)) for _ in range(self.t.plan.mini_batch_size)]
+        rng = random.Random(f"dsrl-sft:{self.d.run.seed}:{step}")
+        picks = [rng.randrange(len(self.pairs)) for _ in range(self.plan.mini_batch_size)]
         return [Sample(tokens=self.pairs[i][0] + self.pairs[i][1], prompt_len=len(self.pairs[i][0]), group=-1,
                        reward=0.0) for i in picks]
 
@@ -71,13 +74,12 @@ class SupervisedWarmup:
 
     def run(self, on_step: Callable[[int, Any], None]) -> None:
         """Run every warm-up step; ``on_step(step, result)`` after each."""
-        t = self.t
-        for step in range(t.d.sft.steps):
+        for step in range(self.d.sft.steps):
             samples = self.samples(step)
-            per_rank = partition_mini_batch(range(len(samples)), [s.length for s in samples],
-                                            t.plan.data_parallel_size, t.d.batch, packed=t.d.model.packing)
-            micros = t.my_micro_batches(samples, per_rank)
+            per_rank = partition_mini_batch(range(len(samples)), [s.length for s in samples], self.plan)
+            micros = my_micro_batches(samples, per_rank, self.policy.view, self.pad_id, self.policy.device,
+                                      self.plan.packing)
             t0 = time.perf_counter()
-            res = t.rl.train_mini_batch(micros, self.loss_fn)
+            res = self.policy.train_mini_batch(micros, self.loss_fn)
             res["step_s"] = time.perf_counter() - t0
             on_step(step + 1, res)

@@ -13,7 +13,8 @@ from typing import Any
 
 from dsrl.config import ConfigError, ModelConfig
 
-TINY_TOKENIZER_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny_tokenizer")
+DSRL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_TOKENIZER_PATH = os.path.join(DSRL_DIR, "assets", "tiny_tokenizer")
 
 
 def tokenizer_source(model_cfg: ModelConfig) -> tuple[str, str]:

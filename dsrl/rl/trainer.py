@@ -38,10 +38,8 @@ import torch.distributed as dist
 
 from dsrl import algos
 from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
-from dsrl.backends.deepspeed.config import data_parallel_size
-from dsrl.backends.deepspeed.engine import RLEngine, ensure_distributed, initialize, on_gpu
+from dsrl.backends.deepspeed.engine import RLEngine, ensure_distributed, initialize, on_gpu, prepare
 from dsrl.backends.deepspeed.frozen import frozen_engine
-from dsrl.backends.deepspeed.validation import validated_deepspeed_config
 from dsrl.checkpoint.commit import latest_complete_tag
 from dsrl.checkpoint.engines import load_engines, save_engines
 from dsrl.checkpoint.export import export_checkpoint, write_hf_meta
@@ -52,12 +50,11 @@ from dsrl.core import collectives, timeouts
 from dsrl.core.errors import RunError
 from dsrl.core.logprobs import token_entropy, token_logprobs
 from dsrl.core.partition import mini_batches, partition_mini_batch
-from dsrl.core.plan import BatchPlan
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.batching import Sample, collate, collate_packed
-from dsrl.rl.experience import ExperienceMaker
+from dsrl.rl.batching import Sample
+from dsrl.rl.experience import ExperienceMaker, Rewards
 from dsrl.rl.models import forward_logits
-from dsrl.rl.replica_data import RolloutIndex, my_part
+from dsrl.rl.replica_data import RolloutIndex, my_micro_batches
 from dsrl.rl.reward_contract import all_timed_out
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
 from dsrl.runtime.stop import StopControl, StopRun
@@ -74,7 +71,7 @@ class Trainer:
 
     def __init__(self, config: str | dict | Config, overrides: dict[str, Any] | None = None,
                  resume: str | None = None):
-        from dsrl.rl.data import PromptSampler, encode_prompts, load_accuracy_fn, load_prompts, load_reward_fn
+        from dsrl.rl.data import PromptSampler, PromptSource, load_accuracy_fn, load_prompts, load_reward_fn
         from dsrl.rl.models import build_model, frozen_copy, resolve_dtype
         from dsrl.rl.tokenizer import load_tokenizer
         from dsrl.rollout import make_backend
@@ -95,19 +92,17 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(d.model)
         self.prompts = load_prompts(d.data, seed=d.run.seed)
-        self.reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
-        self.accuracy_fn = load_accuracy_fn(d.data)
-        self.encode = encode_prompts
+        reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
         tok = self.tokenizer
         _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
-        # The whole run file, DeepSpeed half included, is checked before the model is built (initialize
-        # checks it again, cheaply, for callers that use it directly).
-        plan = BatchPlan.from_config(self.cfg, data_parallel_size(self.cfg.ds_config, self.world), len(self.prompts))
-        validated_deepspeed_config(self.cfg, plan, on_gpu=self.on_gpu)
+        # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
+        # ds_config and the schedule made here are the ones the engine is built from.
+        spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
+        critic_spec = None
         if d.has_critic:
-            from dsrl.rl.critic import check_critic
+            from dsrl.rl.critic import prepare_critic
 
-            check_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
+            critic_spec = prepare_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
         # The output directory: lock, refusals, the verified checkpoint to continue from (dsrl.checkpoint.run_dir).
         self.run_dir = open_run_dir(d.run, checksums=d.run.checkpoint_checksums)
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
@@ -115,10 +110,9 @@ class Trainer:
                             seed=d.run.seed)
         check_free_space(self.run_dir, model, d.run)
         self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 else None
-        self.rl: RLEngine = initialize(model, self.cfg, dataset_size=len(self.prompts))
+        self.rl: RLEngine = initialize(model, spec)
         self.plan = self.rl.plan
         self.device = self.rl.device
-        self.replica = self.rl.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
         if self.ref_model is not None:
             self.ref_model = frozen_engine(self.ref_model, self.rl, self.device)
         self.reward_model = None
@@ -131,7 +125,7 @@ class Trainer:
         if d.has_critic:
             from dsrl.rl.critic import Critic
 
-            self.critic = Critic.build(self.cfg, tok, self.on_gpu, len(self.prompts))
+            self.critic = Critic.build(critic_spec, tok, seed=d.run.seed)
         self.backend = make_backend(d.rollout, self.rl.engine, tok)
         self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
                                      last_rollout=d.run.last_rollout)
@@ -141,9 +135,12 @@ class Trainer:
         self.ckpt_dir = os.path.join(self.output_dir, CHECKPOINT_SUBDIR)
         self.rollout_index = 0
         self.calls = 0  # mini-batches trained (applied or skipped)
-        self.prompts_drawn = 0
-        self.experience = ExperienceMaker(self)
-        self.watch = Watch(d.run.collective_timeout_s)  # phase ends bounded, missing ranks named (dsrl.runtime.watchdog)
+        self.watch = Watch(d.run.collective_timeout_s)  # phase ends bounded, missing ranks named (runtime.watchdog)
+        self.prompt_source = PromptSource(self.prompts, self.sampler, tok, d.data)
+        self.experience = ExperienceMaker(
+            d, self.plan, self.rl, self.backend, tok, self.prompt_source,
+            Rewards(reward_fn, load_accuracy_fn(d.data), self.reward_model), self.algo,
+            ref_model=self.ref_model, critic=self.critic, watch=self.watch)
         self.resume_notice: str | None = None  # set by an elastic resume (another world size)
         resumed = self._maybe_resume()
         self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
@@ -151,7 +148,7 @@ class Trainer:
 
     # -- resume ---------------------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
-        point = self.run_dir.resume  # chosen and verified by dsrl.checkpoint.run_dir; any world size (dsrl.checkpoint.elastic)
+        point = self.run_dir.resume  # chosen and verified by checkpoint.run_dir; any world size (checkpoint.elastic)
         if point is None:
             return False
         load_dir = point.ckpt_dir
@@ -162,7 +159,6 @@ class Trainer:
             log.warning(resumed.notice)
         self.rollout_index = int(client["rollout"])
         self.calls = int(client["calls"])
-        self.prompts_drawn = int(client.get("prompts_drawn", 0))
         self.sampler.load_state_dict(client["sampler"])
         if rank_state is not None:
             torch.set_rng_state(rank_state["torch_rng"])
@@ -174,8 +170,7 @@ class Trainer:
 
     def save(self) -> None:
         tag = f"rollout{self.rollout_index}"
-        client = {"rollout": self.rollout_index, "calls": self.calls, "sampler": self.sampler.state_dict(),
-                  "prompts_drawn": self.prompts_drawn}
+        client = {"rollout": self.rollout_index, "calls": self.calls, "sampler": self.sampler.state_dict()}
         rank_state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
         t0 = time.perf_counter()
         with self.watch.phase("save"):
@@ -228,8 +223,7 @@ class Trainer:
         view = self.rl.view
         index = RolloutIndex.gather(view, local)
         seed = derived_seed(self.d.run.seed, self.rollout_index, 0xB47C4)
-        packed = self.d.model.packing
-        steps = [partition_mini_batch(mb, index.lengths, self.plan.data_parallel_size, self.d.batch, packed=packed)
+        steps = [partition_mini_batch(mb, index.lengths, self.plan)
                  for mb in mini_batches(index.size, self.plan.mini_batch_size, self.plan.epochs_per_rollout,
                                         seed=seed, shuffle=self.d.batch.shuffle)]
         samples = index.exchange(steps, self.device)
@@ -238,7 +232,7 @@ class Trainer:
         self.critic_results = []
         policy_steps = self.rollout_index >= self.plan.critic_warmup_rollouts
         for per_rank in steps:
-            micros = self.my_micro_batches(samples, per_rank)
+            micros = my_micro_batches(samples, per_rank, view, self.pad_id, self.device, self.plan.packing)
             res = critic_res = None
             if policy_steps:
                 t0 = time.perf_counter()
@@ -254,13 +248,6 @@ class Trainer:
             self.calls += 1
             on_step(res, critic_res)
         return results
-
-    def my_micro_batches(self, samples: Any, per_rank: Any) -> list[dict[str, torch.Tensor]]:
-        """This rank's collated micro-batches of one partitioned mini-batch (``samples[i]`` is sample ``i``;
-        padded or packed rows per ``model.packing``), empty micro-batches left out."""
-        make = collate_packed if self.d.model.packing else collate
-        return [make([samples[i] for i in ids], self.pad_id, self.device) for ids in my_part(self.rl.view, per_rank)
-                if ids]
 
     # -- the loop -------------------------------------------------------------------------------
     def _on_step(self, res: dict[str, Any] | None, critic_res: dict[str, Any] | None, bar: Any) -> None:
@@ -353,7 +340,7 @@ class Trainer:
             summary = rollout_record(stats.summed(self.device), results, world=self.world,
                                      rollout=self.rollout_index, optimizer_step=self.rl.optimizer_steps,
                                      rollout_size=plan.rollout_size,
-                                     prompt_epochs=self.prompts_drawn / len(self.prompts), sampling_rounds=rounds,
+                                     prompt_epochs=self.prompt_source.drawn / len(self.prompts), sampling_rounds=rounds,
                                      local_train_s=stats.train_s)
             if self.critic is not None:
                 summary.update(critic_record(self.critic_results))
@@ -400,7 +387,7 @@ class Trainer:
                    **{k: res[k] for k in ("loss", "grad_norm", "lr", "tokens", "token_accuracy", "step_s") if k in res}}
             self.metrics.write("sft", rec, res["optimizer_step"])
 
-        SupervisedWarmup(self).run(on_step)
+        SupervisedWarmup(self.d, self.plan, self.rl, self.tokenizer, self.prompt_source).run(on_step)
         if self.rank == 0:
             log.info("supervised warm-up: %d steps, loss %.3f -> %.3f, %.1fs", self.d.sft.steps, first[0], first[-1],
                      time.perf_counter() - t0)

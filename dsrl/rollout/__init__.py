@@ -1,37 +1,44 @@
 """Generation backends: ``hf`` (transformers ``generate`` on the policy), ``cb`` (transformers continuous
 batching on the policy), ``auto`` (one of those two per call, see :mod:`dsrl.rollout.auto`) and ``vllm``.
 
-The interface lives in :mod:`dsrl.rollout.base`, each backend in its own module (imported only when
-chosen: vLLM is optional); :func:`make_backend` picks one from ``rollout.backend``. Imports point one
-way: backends import ``base`` (``vllm`` also reuses helpers of ``hf``), ``base`` imports no backend.
+Owns: the generation contract (:mod:`.base`), each backend in its own module (imported only when
+chosen: vLLM is optional), access to the policy's weights for generation (:mod:`.policy`: ZeRO-3
+gather, tensor peers, neutral generation settings) and packed attention (:mod:`.varlen_attention`);
+:func:`make_backend` picks one from ``rollout.backend``. Inside the package imports point one way:
+backends import ``base`` and ``policy`` (``cb`` and ``auto`` build on ``hf``), never the other way.
+
+May import: :mod:`dsrl.config`, :mod:`dsrl.core`, :mod:`dsrl.algos`; never :mod:`dsrl.rl`,
+:mod:`dsrl.checkpoint` or :mod:`dsrl.cli`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dsrl.config.names import AUTO_BACKEND, CB_BACKEND, HF_BACKEND
 from dsrl.rollout.base import Completion, RolloutBackend
 
 __all__ = ["Completion", "RolloutBackend", "make_backend"]
 
 
 def make_backend(rollout_cfg: Any, engine: Any, tokenizer: Any, **kwargs: Any) -> RolloutBackend:
-    """The backend named by ``rollout.backend``: ``"hf"`` (transformers generate on the policy), ``"cb"``
-    (transformers continuous batching on the policy), ``"auto"`` (per call one of these two, see
-    :mod:`dsrl.rollout.auto`) or ``"vllm"`` (a colocated vLLM engine; ``kwargs`` go to
-    :class:`dsrl.rollout.vllm.VLLMRolloutBackend`, e.g. ``model_path``)."""
-    if rollout_cfg.backend == "hf":
+    """The backend named by ``rollout.backend`` (:data:`dsrl.config.names.ROLLOUT_BACKENDS`, validated by the
+    config): ``hf`` (transformers generate on the policy), ``cb`` (transformers continuous batching on the
+    policy), ``auto`` (per call one of these two, see :mod:`dsrl.rollout.auto`) or ``vllm`` (a vLLM engine;
+    ``kwargs`` go to :class:`dsrl.rollout.vllm.VLLMRolloutBackend`)."""
+    name = rollout_cfg.backend
+    if name == HF_BACKEND:
         from dsrl.rollout.hf import HFRolloutBackend
 
         return HFRolloutBackend(engine, tokenizer, rollout_cfg)
-    if rollout_cfg.backend in ("cb", "auto"):
-        from dsrl.rollout.auto import AutoRolloutBackend
+    if name == CB_BACKEND:
         from dsrl.rollout.cb import ContinuousBatchingBackend
 
-        cls = ContinuousBatchingBackend if rollout_cfg.backend == "cb" else AutoRolloutBackend
-        return cls(engine, tokenizer, rollout_cfg)
-    if rollout_cfg.backend == "vllm":
-        from dsrl.rollout.vllm import VLLMRolloutBackend
+        return ContinuousBatchingBackend(engine, tokenizer, rollout_cfg)
+    if name == AUTO_BACKEND:
+        from dsrl.rollout.auto import AutoRolloutBackend
 
-        return VLLMRolloutBackend(engine, tokenizer, rollout_cfg, **kwargs)
-    raise ValueError(f"rollout.backend = {rollout_cfg.backend!r} is not one of 'hf', 'cb', 'auto', 'vllm'")
+        return AutoRolloutBackend(engine, tokenizer, rollout_cfg)
+    from dsrl.rollout.vllm import VLLMRolloutBackend
+
+    return VLLMRolloutBackend(engine, tokenizer, rollout_cfg, **kwargs)

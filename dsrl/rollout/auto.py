@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dsrl.config.names import CB_BACKEND, HF_BACKEND
 from dsrl.rollout.base import Completion, RolloutBackend
 from dsrl.rollout.cb import ContinuousBatchingBackend, concurrency, is_flash, num_parameters
 from dsrl.rollout.hf import HFRolloutBackend
@@ -48,12 +49,12 @@ def auto_backend_name(device_type: str, attn_implementation: str | None, paramet
     implementation and parameter count, the call's concurrency C and the attention continuous batching
     would run under (:func:`dsrl.rollout.cb.cb_attention_implementation`; default: the model's)."""
     if is_flash(attn_implementation):
-        return "cb"
+        return CB_BACKEND
     if device_type == "cpu":
         dense = not is_flash(cb_attention if cb_attention is not None else attn_implementation)
         small = parameters < CPU_SMALL_MODEL_PARAMETERS
-        return "hf" if dense and small and concurrency > CPU_SMALL_MODEL_MAX_CB_CONCURRENCY else "cb"
-    return "hf"
+        return HF_BACKEND if dense and small and concurrency > CPU_SMALL_MODEL_MAX_CB_CONCURRENCY else CB_BACKEND
+    return HF_BACKEND
 
 
 class AutoRolloutBackend(RolloutBackend):
@@ -79,7 +80,7 @@ class AutoRolloutBackend(RolloutBackend):
         attn = getattr(getattr(self.hf.module, "config", None), "_attn_implementation", None)
         cb_attn = self.cb.attention(num_prompts, samples_per_prompt) if self.cb is not None else None
         name = auto_backend_name(device.type, attn, self.num_params, c, cb_attn)
-        return self.cb if name == "cb" and self.cb is not None else self.hf
+        return self.cb if name == CB_BACKEND and self.cb is not None else self.hf
 
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, **kwargs: Any
                  ) -> list[Completion]:

@@ -26,7 +26,7 @@ contract as the ``hf`` backend (:mod:`dsrl.rollout.base`, :mod:`dsrl.rollout.hf`
 - eval mode during generation; the train/eval mode, the attention implementation (eager runs as
   ``paged|eager``) and the module's hooks are restored after. The generation thread uses the caller's
   ``torch.get_num_threads()`` (OpenMP thread counts are per thread);
-- ZeRO-3: exactly as ``hf`` (:func:`dsrl.rollout.hf.gathered_for_generation`): one parameter gather per
+- ZeRO-3: exactly as ``hf`` (:func:`dsrl.rollout.policy.gathered_for_generation`): one parameter gather per
   call on every rank with DeepSpeed's hooks suspended, no copy of the weights, so nothing to sync. A
   rank with no prompts still enters the gather and returns ``[]``.
 
@@ -51,7 +51,8 @@ from typing import Any
 import torch
 
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos
-from dsrl.rollout.hf import HFRolloutBackend, _neutral_generation_config, gathered_for_generation
+from dsrl.rollout.hf import HFRolloutBackend
+from dsrl.rollout.policy import gathered_for_generation, neutral_generation_config
 from dsrl.rollout.varlen_attention import VARLEN_ATTENTION, check_flash_kernel, uses_flash_kernel
 from dsrl.rollout.varlen_attention import register as register_varlen_attention
 
@@ -251,7 +252,7 @@ class ContinuousBatchingBackend(RolloutBackend):
             stack.enter_context(gathered_for_generation(self.module, self.ds_engine))
             if not prompt_ids:  # the gather above is collective: entered even with nothing to generate
                 return []
-            stack.enter_context(_neutral_generation_config(self.module))
+            stack.enter_context(neutral_generation_config(self.module))
             stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
             stack.enter_context(_collect_only_new_objects())
             try:

@@ -34,125 +34,18 @@ that does not fit, lower ``generation_batch_size`` or use the vLLM backend.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, eos_ids
-
-
-def unwrap(engine_or_module: Any) -> tuple[torch.nn.Module, Any]:
-    """(the torch module, the DeepSpeedEngine or None) for an RLEngine, a DeepSpeedEngine or a module."""
-    inner = getattr(engine_or_module, "engine", None)
-    if inner is not None and hasattr(inner, "zero_optimization_stage"):  # dsrl.RLEngine
-        engine_or_module = inner
-    if hasattr(engine_or_module, "zero_optimization_stage"):
-        return engine_or_module.module, engine_or_module
-    if isinstance(engine_or_module, torch.nn.Module):
-        return engine_or_module, None
-    raise TypeError(f"expected a dsrl.RLEngine, a DeepSpeedEngine or a torch module, got {type(engine_or_module)}")
-
-
-def _zero3_offload(ds_engine: Any) -> Any:
-    """The DeepSpeedZeRoOffload object that owns the ZeRO-3 module hooks."""
-    opt = getattr(ds_engine, "optimizer", None)
-    offload = getattr(opt, "parameter_offload", opt)
-    if offload is None or not hasattr(offload, "forward_hooks"):
-        raise RuntimeError(
-            "ZeRO-3 engine without a parameter-offload object holding its module hooks; this DeepSpeed "
-            "version is not supported by the hf rollout backend"
-        )
-    return offload
-
-
-@contextlib.contextmanager
-def suspended_zero3_hooks(offload: Any) -> Iterator[None]:
-    """Take DeepSpeed's ZeRO-3 forward/backward module hooks out of their modules for the block.
-
-    The hooks are removed from the modules' hook dicts and put back in their original order (hooks
-    registered by others keep their places), so the same hook handles stay valid afterwards.
-    """
-    handles = [*offload.forward_hooks, *offload.backward_hooks]
-    if getattr(offload, "fwd_pre_hook", None) is not None:
-        handles.append(offload.fwd_pre_hook)
-    ds_ids = {h.id for h in handles}
-    saved: dict[int, tuple[dict, list[tuple[int, Any]]]] = {}
-    for h in handles:
-        d = h.hooks_dict_ref()
-        if d is None:
-            continue
-        if id(d) not in saved:
-            saved[id(d)] = (d, list(d.items()))
-        d.pop(h.id, None)
-    try:
-        yield
-    finally:
-        for d, items in saved.values():
-            current = dict(d)
-            restored = [(k, v) for k, v in items if k in ds_ids or k in current]
-            added = [(k, v) for k, v in current.items() if k not in dict(items)]
-            d.clear()
-            d.update(restored + added)
-
-
-@contextlib.contextmanager
-def gathered_for_generation(module: torch.nn.Module, ds_engine: Any) -> Iterator[None]:
-    """Full parameters on this rank for the block, with no collective inside it.
-
-    ZeRO-3: one all-gather of every parameter on entry and one re-partition on exit (collectives:
-    every rank of the data-parallel group must enter the same number of times); the ZeRO-3 hooks are
-    suspended inside. Other stages and plain modules: nothing to do.
-    """
-    if ds_engine is None or ds_engine.zero_optimization_stage() != 3:
-        yield
-        return
-    import deepspeed
-
-    offload = _zero3_offload(ds_engine)
-    with deepspeed.zero.GatheredParameters(list(module.parameters())), suspended_zero3_hooks(offload):
-        yield
-
-
-def tensor_parallel_group(ds_engine: Any) -> Any:
-    """The AutoTP tensor group of a DeepSpeedEngine (None without AutoTP, or for a plain module)."""
-    if ds_engine is None or not hasattr(ds_engine, "autotp_size") or (ds_engine.autotp_size() or 1) <= 1:
-        return None
-    from deepspeed.utils import groups
-
-    return groups.get_tensor_model_parallel_group()
-
-
-class TensorPeersStop:
-    """A ``transformers`` stopping criterion: a row is done on every tensor peer as soon as it produced
-    an end-of-sequence token on any of them (a MAX all-reduce of the per-row flags over ``group``)."""
-
-    def __init__(self, eos: list[int], group: Any):
-        self.eos, self.group = eos, group
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        last = input_ids[:, -1]
-        done = torch.isin(last, torch.tensor(self.eos, device=last.device)).to(torch.int32)
-        dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.group)
-        return done.bool()
-
-
-@contextlib.contextmanager
-def _neutral_generation_config(module: torch.nn.Module) -> Iterator[None]:
-    """Hide the model's own generation_config so only dsrl's settings shape the sampling."""
-    from transformers import GenerationConfig
-
-    if not hasattr(module, "generation_config"):
-        yield
-        return
-    saved = module.generation_config
-    module.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        module.generation_config = saved
+from dsrl.rollout.policy import (
+    TensorPeersStop,
+    gathered_for_generation,
+    neutral_generation_config,
+    tensor_parallel_group,
+    unwrap,
+)
 
 
 class HFRolloutBackend(RolloutBackend):
@@ -215,7 +108,7 @@ class HFRolloutBackend(RolloutBackend):
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(gathered_for_generation(self.module, self.ds_engine))
-            stack.enter_context(_neutral_generation_config(self.module))
+            stack.enter_context(neutral_generation_config(self.module))
             stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
             self.module.eval()
             try:

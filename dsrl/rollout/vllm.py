@@ -21,7 +21,7 @@ import tempfile
 from typing import Any
 
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, eos_ids
-from dsrl.rollout.hf import gathered_for_generation, unwrap
+from dsrl.rollout.policy import gathered_for_generation, unwrap
 
 INSTALL_HINT = "rollout.backend = 'vllm' needs vLLM, which is not installed: pip install dsrl[vllm]"
 

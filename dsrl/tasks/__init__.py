@@ -1,4 +1,5 @@
-"""Built-in verifiable tasks for the embedded default run (``dsrl.data.task``).
+"""Built-in verifiable tasks for the embedded default run (``dsrl.data.task``). May import :mod:`dsrl.config`
+only.
 
 Each task makes deterministic ``{"prompt", "answer"}`` pairs and scores decoded completions with
 partial credit (reward in [0, 1]) and exact-match accuracy. All of them use only characters of the

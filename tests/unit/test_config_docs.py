@@ -5,8 +5,8 @@ from __future__ import annotations
 from conftest import REPO
 
 from dsrl.config.docs import render, rules
-from dsrl.config.models import DsrlConfig
 from dsrl.config.names import ALGORITHM_NAMES
+from dsrl.config.root import DsrlConfig
 
 
 def test_configuration_reference_is_current():

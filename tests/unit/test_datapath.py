@@ -182,10 +182,10 @@ def test_each_rank_receives_exactly_its_replicas_samples_from_the_source(dp, tp,
     # The old path's rollout: the sources' samples in global rank order (replica_data rule 3).
     rollout = [s for v in views if is_source(v) for s in source_data[v.data_parallel_rank]]
     lengths = np.asarray([s.length for s in rollout])
-    cfg = (SimpleNamespace(micro_batch_size_per_rank=1) if mode == "fixed" else
-           SimpleNamespace(micro_batch_size_per_rank=None, max_tokens_per_micro_batch=64, allow_oversize=False,
-                           balance_attention_coef=0.0))
-    steps = [partition_mini_batch(mb, lengths, dp, cfg) for mb in mini_batches(len(rollout), B, epochs, seed=7)]
+    plan = (SimpleNamespace(data_parallel_size=dp, micro_batch_size_per_rank=1) if mode == "fixed" else
+            SimpleNamespace(data_parallel_size=dp, micro_batch_size_per_rank=None, max_tokens_per_micro_batch=64,
+                            allow_oversize=False, balance_attention_coef=0.0, packing=False))
+    steps = [partition_mini_batch(mb, lengths, plan) for mb in mini_batches(len(rollout), B, epochs, seed=7)]
     index, results, fake = _run(views, steps, locals_, monkeypatch)
     assert index.size == len(rollout) and list(index.lengths) == list(lengths)
     routes = index.routes(steps)

@@ -1,32 +1,108 @@
-"""ARCHITECTURE §4's dependency rules, checked on the source: no import circle among dsrl's modules
-(lazy, function-level imports included), and the DeepSpeed and Megatron adapters never import each other."""
+"""ARCHITECTURE §4's layout and dependency rules, checked on the source.
+
+- ``dsrl/`` holds at most ``__init__.py``, ``check.py`` (and ``__main__.py``) at top level; every other
+  module lives in one of the packages of §4, each with a docstring saying what it owns and may import;
+- the dependency direction between packages (function-level imports included): ``config`` imports no
+  other dsrl package; ``core`` only ``config``; the two backends ``core``/``config`` and never each
+  other; ``checkpoint`` the DeepSpeed backend, never ``rl``; ``rollout`` and ``algos`` never ``rl``,
+  ``checkpoint`` or ``cli``; ``rl`` composes everything below it; ``cli`` and the top-level entries sit
+  on top; nothing imports ``tests``;
+- no import circle among dsrl's modules, and every checker is shown to fail on a planted violation.
+"""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import shutil
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "dsrl"
 
+PACKAGES = ("config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "rl",
+            "tasks", "runtime", "cli")
+TOP_LEVEL = {"dsrl", "dsrl.check", "dsrl.__main__"}
+# package -> the dsrl packages it may import (besides itself). Anything not listed is forbidden.
+MAY_IMPORT: dict[str, set[str]] = {
+    "config": set(),
+    "core": {"config"},
+    "backends": set(),
+    "backends.deepspeed": {"config", "core"},
+    "backends.megatron": {"config", "core"},
+    "algos": {"config", "core"},
+    "tasks": {"config"},
+    "runtime": {"config", "core"},
+    "rollout": {"config", "core", "algos"},
+    "checkpoint": {"config", "core", "backends.deepspeed"},
+    "rl": {"config", "core", "backends.deepspeed", "checkpoint", "rollout", "algos", "tasks", "runtime"},
+    "cli": {"config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "rl",
+            "tasks", "runtime"},
+}
 
-def _modules() -> dict[str, pathlib.Path]:
+
+def _modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
     mods = {}
-    for path in ROOT.rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        if "assets" in path.parts:
+            continue
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
         mods[name.removesuffix(".__init__")] = path
     return mods
 
 
 def _imports(path: pathlib.Path, mods: dict[str, pathlib.Path]) -> set[str]:
-    """dsrl modules ``path`` imports anywhere in its body (``from dsrl import x`` counts as dsrl.x)."""
+    """Everything ``path`` imports anywhere in its body that names dsrl or tests (``from dsrl import x``
+    counts as dsrl.x when that is a module)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dsrl":
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("dsrl", "tests"):
             subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
             out |= subs or {node.module}
         elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] == "dsrl"}
-    return out & mods.keys()
+            out |= {a.name for a in node.names if a.name.split(".")[0] in ("dsrl", "tests")}
+    return out
+
+
+def package_of(module: str) -> str | None:
+    """The §4 package a dsrl module belongs to (None for the top-level entries)."""
+    rest = module.removeprefix("dsrl.")
+    for pkg in sorted(PACKAGES, key=len, reverse=True):
+        if rest == pkg or rest.startswith(pkg + "."):
+            return pkg
+    if rest == "backends":
+        return "backends"
+    return None
+
+
+def violations(root: pathlib.Path = ROOT) -> list[str]:
+    """Every import that breaks the dependency direction, as 'a imports b (package x may import only ...)'."""
+    mods = _modules(root)
+    found = []
+    for mod, path in sorted(mods.items()):
+        mine = package_of(mod)
+        for target in sorted(_imports(path, mods)):
+            if target.split(".")[0] == "tests":
+                found.append(f"{mod} imports {target}: nothing in dsrl imports tests")
+                continue
+            theirs = package_of(target)
+            if mine is None or theirs is None or theirs == mine:
+                continue
+            if theirs not in MAY_IMPORT[mine]:
+                allowed = ", ".join(sorted(MAY_IMPORT[mine])) or "no other dsrl package"
+                found.append(f"{mod} imports {target}: {mine} may import only {allowed}")
+    return found
+
+
+def misplaced(root: pathlib.Path = ROOT) -> list[str]:
+    """Modules outside the §4 packages and packages whose __init__ has no docstring."""
+    out = []
+    for mod, path in _modules(root).items():
+        if package_of(mod) is None and mod not in TOP_LEVEL:
+            out.append(f"{mod}: not in one of the packages of ARCHITECTURE §4")
+        if path.name == "__init__.py" and ast.get_docstring(ast.parse(path.read_text())) is None:
+            out.append(f"{mod}: its __init__.py has no docstring saying what it owns and may import")
+    return out
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -61,18 +137,63 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def circles(root: pathlib.Path = ROOT) -> list[list[str]]:
+    mods = _modules(root)
+    return _cycles({m: (_imports(p, mods) & mods.keys()) - {m} for m, p in mods.items()})
+
+
+def test_every_module_lives_in_a_documented_package():
+    assert misplaced() == []
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= 3 and set(top) <= {"__init__.py", "check.py", "__main__.py"}, top
+
+
+def test_dependency_direction_between_packages():
+    assert violations() == []
+
+
 def test_no_import_circle_even_through_lazy_imports():
-    mods = _modules()
-    graph = {m: _imports(p, mods) - {m} for m, p in mods.items()}
-    assert _cycles(graph) == []
+    assert circles() == []
 
 
-def test_the_circle_finder_finds_a_circle():
+@pytest.fixture()
+def planted(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A copy of dsrl/ to plant violations in."""
+    shutil.copytree(ROOT, tmp_path / "dsrl", ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    return tmp_path / "dsrl"
+
+
+def _plant(root: pathlib.Path, module: str, line: str) -> None:
+    path = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    path.write_text(path.read_text() + f"\n\ndef _planted():\n    {line}\n")
+
+
+@pytest.mark.parametrize(("module", "line", "expected"), [
+    ("dsrl.core.plan", "from dsrl.rl import trainer", "dsrl.core.plan imports dsrl.rl.trainer: core may import only"),
+    ("dsrl.config.load", "import dsrl.core.plan", "dsrl.config.load imports dsrl.core.plan: config may import only"),
+    ("dsrl.backends.deepspeed.engine", "from dsrl.backends.megatron import step",
+     "backends.deepspeed may import only config, core"),
+    ("dsrl.checkpoint.export", "from dsrl.rl.models import build_model", "checkpoint may import only"),
+    ("dsrl.rollout.hf", "from dsrl.checkpoint import commit", "rollout may import only"),
+    ("dsrl.algos.gae", "from dsrl.cli import main", "algos may import only"),
+    ("dsrl.rl.trainer", "import tests.conftest", "nothing in dsrl imports tests"),
+])
+def test_the_direction_check_fails_on_a_planted_violation(planted, module, line, expected):
+    assert violations(planted) == []
+    _plant(planted, module, line)
+    found = violations(planted)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_the_circle_check_fails_on_a_planted_circle(planted):
+    _plant(planted, "dsrl.core.weights", "from dsrl.core import step")  # step imports weights
+    assert ["dsrl.core.step", "dsrl.core.weights"] in circles(planted)
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_engine_and_megatron_never_import_each_other():
-    mods = _modules()
-    megatron = {m for m in mods if m.startswith("dsrl.backends.megatron")}
-    assert not _imports(mods["dsrl.backends.deepspeed.engine"], mods) & megatron
-    assert all("dsrl.backends.deepspeed.engine" not in _imports(mods[m], mods) for m in megatron)
+def test_the_placement_check_fails_on_a_planted_module(planted):
+    (planted / "helpers.py").write_text('"""A flat module."""\n')
+    (planted / "rl" / "__init__.py").write_text("")
+    assert sorted(misplaced(planted)) == ["dsrl.helpers: not in one of the packages of ARCHITECTURE §4",
+                                          "dsrl.rl: its __init__.py has no docstring saying what it owns and may "
+                                          "import"]

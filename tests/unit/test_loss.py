@@ -33,7 +33,7 @@ def test_local_counts_skip_fully_masked_sequences():
     ],
 )
 def test_weights_hand_computed(mode, expected):
-    w = token_weights(mode, MICRO, GlobalCounts(tokens=10, sequences=5), mini_batch_size=8, norm_length=16)
+    w = token_weights(mode, MICRO, GlobalCounts(tokens=10, sequences=5), mini_batch_size=8, loss_agg_norm_length=16)
     assert w.dtype == torch.float64
     torch.testing.assert_close(w, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-15)
 
@@ -48,7 +48,7 @@ def test_seq_mean_uses_whole_sequence_count_when_given():
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_zero_token_mini_batch_gives_zero_not_nan(mode):
     micro = {"loss_mask": torch.zeros(2, 3, dtype=torch.long)}
-    w = token_weights(mode, micro, GlobalCounts(tokens=0, sequences=0), mini_batch_size=4, norm_length=3)
+    w = token_weights(mode, micro, GlobalCounts(tokens=0, sequences=0), mini_batch_size=4, loss_agg_norm_length=3)
     per_token = torch.tensor([[float("nan"), 1.0, float("inf")], [2.0, 3.0, 4.0]], requires_grad=True)
     loss = weighted_sum(per_token, w, micro["loss_mask"])
     loss.backward()

@@ -20,7 +20,8 @@ def test_every_consumer_uses_the_same_names():
     assert set(names.ALGORITHM_DEFAULTS) == set(names.ALGORITHM_NAMES)
     assert set(ESTIMATORS) | set(names.CRITIC_ALGORITHMS) == set(names.ALGORITHM_NAMES)
     assert _choices(AlgorithmConfig, "name") == set(names.ALGORITHM_NAMES)
-    assert loss.LOSS_AGG_MODES == names.LOSS_AGG_MODES and _choices(BatchConfig, "loss_agg") == set(names.LOSS_AGG_MODES)
+    assert loss.LOSS_AGG_MODES == names.LOSS_AGG_MODES
+    assert _choices(BatchConfig, "loss_agg") == set(names.LOSS_AGG_MODES)
     assert set(names.ALGORITHM_LOSS_AGG.values()) <= set(names.LOSS_AGG_MODES)
     assert NORMALIZE_STD_DEFAULT == {n: names.ALGORITHM_DEFAULTS[n]["normalize_std"] for n in ESTIMATORS}
     assert all(d["ratio_level"] in names.RATIO_LEVELS for d in names.ALGORITHM_DEFAULTS.values())

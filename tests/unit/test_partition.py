@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dsrl.config import BatchConfig
+from dsrl.config import load_config
 from dsrl.core.balance import balance_ranks
 from dsrl.core.partition import (
     expected_token_budget_stats,
@@ -17,6 +17,7 @@ from dsrl.core.partition import (
     partition_stats,
     token_budget_micro_batches,
 )
+from dsrl.core.plan import BatchPlan
 
 
 def rl_lengths(n: int, max_len: int, seed: int = 0, tail: float = 0.0) -> np.ndarray:
@@ -171,21 +172,27 @@ def test_partition_stats_values():
     assert partition_stats([[[0, 1]], [[2, 3]]], lens, packed=True)["padding_fraction"] == 0.0
 
 
+def _plan(D: int, **batch) -> BatchPlan:
+    section = {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "mini_batch_size": 8, **batch},
+               "run": {"rollouts": 1}}
+    return BatchPlan.from_config(load_config({"dsrl": section}), D)
+
+
 def test_partition_mini_batch_dispatch():
-    fixed = BatchConfig(micro_batch_size_per_rank=2)
-    assert partition_mini_batch(list(range(8)), None, 2, fixed) == fixed_micro_batches(list(range(8)), 2, 2)
-    tb = BatchConfig(max_tokens_per_micro_batch=100, allow_oversize=True, balance_attention_coef=0.0)
+    fixed = _plan(2, micro_batch_size_per_rank=2)
+    assert partition_mini_batch(list(range(8)), None, fixed) == fixed_micro_batches(list(range(8)), 2, 2)
+    tb = _plan(2, max_tokens_per_micro_batch=100, allow_oversize=True, balance_attention_coef=0.0)
     lens = [30, 120, 60, 10, 90, 45]
-    part = partition_mini_batch(range(6), lens, 2, tb)
+    part = partition_mini_batch(range(6), lens, tb)
     assert sorted(flat(part)) == list(range(6)) and [1] in [mb for r in part for mb in r]
     with pytest.raises(ValueError, match="allow_oversize"):
-        partition_mini_batch(range(6), lens, 2, BatchConfig(max_tokens_per_micro_batch=100))
+        partition_mini_batch(range(6), lens, _plan(2, max_tokens_per_micro_batch=100))
 
 
 def test_expected_token_budget_stats_keys_for_cli():
-    plan = SimpleNamespace(max_tokens_per_micro_batch=8192, mini_batch_size=256, data_parallel_size=8)
-    cfg = BatchConfig(max_tokens_per_micro_batch=8192)
-    st = expected_token_budget_stats(plan, rl_lengths(2000, 4096, seed=2).tolist(), cfg, samples=4)
+    plan = SimpleNamespace(max_tokens_per_micro_batch=8192, mini_batch_size=256, data_parallel_size=8,
+                           allow_oversize=False, balance_attention_coef=0.0, packing=False)
+    st = expected_token_budget_stats(plan, rl_lengths(2000, 4096, seed=2).tolist(), samples=4)
     for key in ("micro_batches_per_step", "padding_fraction", "max_over_mean_load"):
         assert key in st
     assert st["micro_batches_per_step"] >= st["lower_bound_micro_batches"] >= 1

@@ -34,7 +34,7 @@ class PlainStep(StepCore):
 
     def __init__(self, model: torch.nn.Module, loss_agg: str, mini_batch_size: int):
         super().__init__(ParallelView(count_group=None, grad_scale=1.0, data_parallel_size=1, data_parallel_rank=0),
-                         Counter(), loss_agg=loss_agg, mini_batch_size=mini_batch_size, norm_length=MAX_LEN)
+                         Counter(), loss_agg=loss_agg, mini_batch_size=mini_batch_size, loss_agg_norm_length=MAX_LEN)
         self.model = model
         self.grads: list[torch.Tensor] = []
 
@@ -131,5 +131,7 @@ def test_fillers_nonfinite_skip_empty_batch_and_state_round_trip():
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state == {"schedule": {"steps": 2}, "optimizer_steps": 2, "skipped_steps": 1,
                                            "loss_agg": "seq-mean-token-mean"}
-    with pytest.raises(ValueError, match="loss_agg"):
-        PlainStep(TinyCausalModel(), "mean", 6)
+    bad = PlainStep(TinyCausalModel(), "mean", 6)  # the config validates loss_agg; the API path at the first step
+    with pytest.raises(ValueError, match="loss_agg 'mean' is not one of"):
+        bad.run_step([collate(make_sequences(2, seed=0))], per_token_loss)
+    assert bad.optimizer_steps == bad.skipped_steps == 0

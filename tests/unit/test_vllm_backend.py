@@ -23,8 +23,9 @@ from dsrl.rl.experience import ExperienceMaker
 def test_each_rollout_syncs_the_generator_weights_before_generating(monkeypatch):
     calls = []
     backend = types.SimpleNamespace(sync_weights=lambda: calls.append("sync"))
-    trainer = types.SimpleNamespace(d=None, backend=backend, critic=None, rl=types.SimpleNamespace(view=None))
-    maker = ExperienceMaker(trainer)
+    policy = types.SimpleNamespace(view=types.SimpleNamespace(data_parallel_rank=0), device="cpu")
+    tokenizer = types.SimpleNamespace(pad_token_id=0)
+    maker = ExperienceMaker(None, None, policy, backend, tokenizer, None, None, None)
     monkeypatch.setattr(maker, "collect", lambda i: (calls.append(f"collect {i}"), ([], _Stats(), 1))[1])
     monkeypatch.setattr(maker, "score_logprobs", lambda s: None)
     monkeypatch.setattr(maker, "advantages", lambda s: None)

@@ -109,7 +109,7 @@ def reference_grads(model: torch.nn.Module, all_micros: list[dict], mode: str, f
     for mb in all_micros:
         out = loss(forward(model, mb), mb)
         per_token = out[0] if isinstance(out, tuple) else out
-        w = token_weights(mode, mb, counts, mini_batch_size=mini_batch_size, norm_length=NORM_LENGTH)
+        w = token_weights(mode, mb, counts, mini_batch_size=mini_batch_size, loss_agg_norm_length=NORM_LENGTH)
         total = total + weighted_sum(per_token.double(), w, mb["loss_mask"])
     total.backward()
     return {n: p.grad.detach().double().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64)

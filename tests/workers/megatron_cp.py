@@ -99,7 +99,8 @@ def run_cp_suite(checks: dict[str, Any]) -> list[dict[str, Any]]:
 
     for conv in ("per_token", "average"):
         ddp, opt, sched, ref_model = _build(conv == "per_token")
-        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz, norm_length=mc.NORM_LENGTH)
+        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz,
+                              loss_agg_norm_length=mc.NORM_LENGTH)
         counts = step.global_counts(by_hand)
         checks[f"cp2/{conv}/counts"] = [counts.tokens, counts.sequences, counts.max_micro_batches, counts.samples]
         for mode in LOSS_AGG_MODES:

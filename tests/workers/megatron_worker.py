@@ -77,7 +77,8 @@ def run_equivalence(rec: Recorder, layout: str, counts: list[int], seed: int) ->
     bsz = sum(mb["loss_mask"].shape[0] for mb in all_micros)
     for conv in CONVENTIONS:
         ddp, opt, sched = mc.build_parallel(conv == "per_token")
-        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz, norm_length=mc.NORM_LENGTH)
+        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz,
+                              loss_agg_norm_length=mc.NORM_LENGTH)
         for mode in LOSS_AGG_MODES:
             step.loss_agg = mode
             params = mc.gather_full(ddp, "param")

@@ -93,7 +93,7 @@ def main() -> None:
     from dsrl.rollout.hf import HFRolloutBackend
 
     if args.keep_zero3_hooks:
-        import dsrl.rollout.hf as hf_mod
+        import dsrl.rollout.policy as hf_mod
 
         hf_mod.suspended_zero3_hooks = lambda offload: contextlib.nullcontext()
     ensure_distributed()
@@ -125,7 +125,7 @@ def main() -> None:
         # Before any training step (the first rollout of a run), identical work on every rank (same prompt,
         # seed, weights and length limit), so leaving the hooks on cannot hang here: it shows how many
         # collectives they add.
-        import dsrl.rollout.hf as hf_mod
+        import dsrl.rollout.policy as hf_mod
 
         probe = {}
         same = HFRolloutBackend(engine, tok, RolloutConfig(max_new_tokens=12))

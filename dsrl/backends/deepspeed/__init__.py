@@ -10,6 +10,6 @@ frozen engines for the reference and reward models (:mod:`.frozen`) and the CPU 
 May import: :mod:`dsrl.core`, :mod:`dsrl.config`, DeepSpeed; never :mod:`dsrl.backends.megatron`.
 """
 
-from dsrl.backends.deepspeed.engine import RLEngine, ensure_distributed, initialize, on_gpu
+from dsrl.backends.deepspeed.engine import EngineSpec, RLEngine, ensure_distributed, initialize, on_gpu, prepare
 
-__all__ = ["RLEngine", "ensure_distributed", "initialize", "on_gpu"]
+__all__ = ["EngineSpec", "RLEngine", "ensure_distributed", "initialize", "on_gpu", "prepare"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,8 +31,8 @@ from dsrl.backends.deepspeed.apex import apex_adam_for
 from dsrl.backends.deepspeed.autoep import ensure_transformers_compat, expert_parallel_enabled
 from dsrl.backends.deepspeed.autotp import check_model_for_tensor_parallel, tensor_parallel_size
 from dsrl.backends.deepspeed.config import data_parallel_size
-from dsrl.backends.deepspeed.schedule import PlannedScheduler
-from dsrl.backends.deepspeed.validation import validated_deepspeed_config
+from dsrl.backends.deepspeed.schedule import PlannedScheduler, ScheduleSpec
+from dsrl.backends.deepspeed.validation import accelerator_is_gpu, validated_deepspeed_config
 from dsrl.backends.deepspeed.view import deepspeed_view
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.core import timeouts
@@ -105,9 +106,8 @@ def _join_failure(seconds: float, exc: BaseException) -> str:
 
 
 def on_gpu() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() != "cpu"
+    """Whether DeepSpeed's accelerator is a GPU (not the CPU accelerator)."""
+    return accelerator_is_gpu()
 
 
 class RLEngine(StepCore):
@@ -126,7 +126,7 @@ class RLEngine(StepCore):
         config: Config | None = None,
     ):
         super().__init__(view, scheduler, loss_agg=plan.loss_agg, mini_batch_size=plan.mini_batch_size,
-                         norm_length=plan.loss_norm_length)
+                         loss_agg_norm_length=plan.loss_agg_norm_length)
         self.engine = engine
         self.plan = plan
         self.scheduler = scheduler
@@ -219,7 +219,7 @@ class RLEngine(StepCore):
         return {**super().state_dict(), "plan": self.plan.to_dict()}
 
 
-def _data_parallel_size(cfg: Config, mpu: Any) -> int:
+def _data_parallel_size(cfg: Config, mpu: Any, world_size: int) -> int:
     if mpu is not None and tensor_parallel_size(cfg.ds_config) > 1:
         raise ConfigError(
             f"ds_config tensor_parallel.autotp_size = {tensor_parallel_size(cfg.ds_config)} with an mpu passed to "
@@ -230,12 +230,41 @@ def _data_parallel_size(cfg: Config, mpu: Any) -> int:
         return int(mpu.get_sequence_data_parallel_world_size()) // int(mpu.get_sequence_parallel_world_size())
     if mpu is not None:
         return int(mpu.get_data_parallel_world_size())
-    return data_parallel_size(cfg.ds_config, dist.get_world_size())
+    return data_parallel_size(cfg.ds_config, world_size)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an :class:`RLEngine` is built from besides the model, derived and checked once per run
+    (:func:`prepare`): the run file, its :class:`BatchPlan`, the ds_config DeepSpeed will see and the LR
+    schedule dsrl steps, both validated by DeepSpeed's own classes. ``initialize`` takes it as it is, so
+    nothing downstream rebuilds the plan or re-validates the ds_config."""
+
+    config: Config
+    plan: BatchPlan
+    ds_config: dict[str, Any]
+    schedule: ScheduleSpec
+    on_gpu: bool
+
+
+def prepare(config: str | dict | Config, *, world_size: int | None = None, mpu: Any = None,
+            dataset_size: int | None = None, client_optimizer: Any = None, on_gpu: bool | None = None,
+            overrides: dict[str, Any] | None = None) -> EngineSpec:
+    """The :class:`EngineSpec` of a run file on ``world_size`` ranks (default: the running process group's),
+    before any model exists: every configuration error is raised here, naming its field."""
+    cfg = load_config(config, overrides)
+    world = world_size if world_size is not None else dist.get_world_size()
+    if world <= 0:
+        raise ConfigError(f"world size {world} must be a positive number of ranks")
+    gpu = accelerator_is_gpu() if on_gpu is None else on_gpu
+    plan = BatchPlan.from_config(cfg, _data_parallel_size(cfg, mpu, world), dataset_size)
+    ds_config, schedule = validated_deepspeed_config(cfg, plan, on_gpu=gpu, mpu=mpu, client_optimizer=client_optimizer)
+    return EngineSpec(cfg, plan, ds_config, schedule, gpu)
 
 
 def initialize(
     model: torch.nn.Module,
-    config: str | dict | Config,
+    config: str | dict | Config | EngineSpec,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     model_parameters: Any = None,
@@ -245,23 +274,27 @@ def initialize(
 ) -> RLEngine:
     """Like ``deepspeed.initialize``, plus the plan: returns an :class:`RLEngine`.
 
-    All configuration errors are raised before DeepSpeed builds anything.
+    ``config`` is a run file (path, dict or :class:`dsrl.config.Config`), or the :class:`EngineSpec` that
+    :func:`prepare` made of one (then ``dataset_size`` and ``overrides`` are already in it). All
+    configuration errors are raised before DeepSpeed builds anything.
     """
     import deepspeed
 
-    cfg = load_config(config, overrides)
-    ensure_distributed(cfg.dsrl.run.join_timeout_s, cfg.dsrl.run.collective_timeout_s)
-    dp = _data_parallel_size(cfg, mpu)
-    plan = BatchPlan.from_config(cfg, dp, dataset_size)
-    # The ds_config DeepSpeed will see and the LR schedule, checked by DeepSpeed's own classes first.
-    ds_config, spec = validated_deepspeed_config(cfg, plan, on_gpu=on_gpu(), mpu=mpu, client_optimizer=optimizer)
+    if isinstance(config, EngineSpec):
+        spec = config
+        ensure_distributed(spec.config.dsrl.run.join_timeout_s, spec.config.dsrl.run.collective_timeout_s)
+    else:
+        cfg = load_config(config, overrides)
+        ensure_distributed(cfg.dsrl.run.join_timeout_s, cfg.dsrl.run.collective_timeout_s)
+        spec = prepare(cfg, mpu=mpu, dataset_size=dataset_size, client_optimizer=optimizer)
+    cfg, plan, ds_config = spec.config, spec.plan, spec.ds_config
     check_model_for_tensor_parallel(model, tensor_parallel_size(ds_config))
     if expert_parallel_enabled(ds_config):
-        ensure_transformers_compat()  # DeepSpeed 0.19.8 AutoEP presets vs transformers 5 (dsrl.backends.deepspeed.autoep)
+        ensure_transformers_compat()  # DeepSpeed 0.19.8 AutoEP presets vs transformers 5 (autoep.py)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
-    # apex's prebuilt FusedAdam instead of compiling DeepSpeed's, where apex is present (dsrl.backends.deepspeed.apex).
-    apex_optimizer, ds_config = apex_adam_for(ds_config, model_parameters, cfg.dsrl.model.apex, on_gpu(), optimizer)
+    # apex's prebuilt FusedAdam instead of compiling DeepSpeed's, where apex is present (apex.py).
+    apex_optimizer, ds_config = apex_adam_for(ds_config, model_parameters, cfg.dsrl.model.apex, spec.on_gpu, optimizer)
     optimizer = apex_optimizer or optimizer
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu
@@ -273,5 +306,5 @@ def initialize(
             f"for D = {plan.data_parallel_size}; check sequence_parallel_size / tensor_parallel.autotp_size / mpu"
         )
     torch_optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
-    scheduler = PlannedScheduler(spec, torch_optimizer)
+    scheduler = PlannedScheduler(spec.schedule, torch_optimizer)
     return RLEngine(engine, plan, scheduler, view, cfg)

@@ -1,4 +1,5 @@
-"""Step 3 of :mod:`dsrl.backends.deepspeed.validation`: the optimizer DeepSpeed would build, built on a throwaway parameter.
+"""Step 3 of :mod:`dsrl.backends.deepspeed.validation`: the optimizer DeepSpeed would build, built on a
+throwaway parameter.
 
 The type -> class mapping is DeepSpeed's own (``DeepSpeedEngine._configure_basic_optimizer``, run
 through :class:`dsrl.backends.deepspeed.probe.EngineView`), and so is ZeRO's untested-optimizer rule

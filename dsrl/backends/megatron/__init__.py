@@ -14,6 +14,8 @@ only torch. Public names:
   token-owning group and the DDP's real gradient factor, validated.
 
 See docs/megatron.md.
+
+May import: :mod:`dsrl.core`, :mod:`dsrl.config`, megatron-core; never :mod:`dsrl.backends.deepspeed`.
 """
 
 from dsrl.backends.megatron.cp import cp_chunk_index, shard_for_context_parallel, unshard_from_context_parallel

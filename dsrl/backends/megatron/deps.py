@@ -1,4 +1,5 @@
-"""The one place that checks megatron-core is importable (every other dsrl.backends.megatron module imports it lazily)."""
+"""The one place that checks megatron-core is importable (every other dsrl.backends.megatron module imports it
+lazily)."""
 
 from __future__ import annotations
 

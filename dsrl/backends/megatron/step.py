@@ -42,6 +42,7 @@ from dsrl.backends.megatron.cp import shard_for_context_parallel
 from dsrl.backends.megatron.deps import require_megatron
 from dsrl.backends.megatron.schedule import OPTIMIZER_STEPS, SchedulerDriver
 from dsrl.backends.megatron.view import megatron_view
+from dsrl.config.names import SEQ_MEAN_TOKEN_MEAN, TOKEN_MEAN
 from dsrl.core.step import Log, MiniBatchCounts, StepCore, StepInputs, StepResult, Update
 from dsrl.core.weights import valid_mask
 
@@ -89,7 +90,7 @@ class MegatronRLStep(StepCore):
     for virtual pipeline stages). ``optimizer``: from ``get_megatron_optimizer``. ``scheduler``: an
     ``OptimizerParamScheduler`` (see :func:`dsrl.backends.megatron.build_param_scheduler`), which dsrl owns.
     ``convention``: ``"per_token"`` needs ``calculate_per_token_loss=True`` set before the DDP wrap;
-    ``"average"`` needs it False. ``mini_batch_size``/``norm_length`` are needed by
+    ``"average"`` needs it False. ``mini_batch_size``/``loss_agg_norm_length`` are needed by
     ``seq-mean-token-sum-norm`` only. ``cp_shard``: micro-batches hold whole sequences and dsrl cuts
     them for context parallelism itself (after counting n_s on the whole sequence).
     """
@@ -102,11 +103,11 @@ class MegatronRLStep(StepCore):
         optimizer: Any,
         scheduler: Any,
         *,
-        loss_agg: str = "token-mean",
+        loss_agg: str = TOKEN_MEAN,
         convention: str = PER_TOKEN,
         schedule_unit: str = OPTIMIZER_STEPS,
         mini_batch_size: int | None = None,
-        norm_length: int | None = None,
+        loss_agg_norm_length: int | None = None,
         cp_shard: bool = True,
         count_group: Any = None,
         check_count_group: bool = True,
@@ -125,7 +126,7 @@ class MegatronRLStep(StepCore):
         self.cp_shard = cp_shard
         view = megatron_view(self.model, convention, count_group=count_group, check_count_group=check_count_group)
         super().__init__(view, self.driver, loss_agg=loss_agg, mini_batch_size=mini_batch_size,
-                         norm_length=norm_length)
+                         loss_agg_norm_length=loss_agg_norm_length)
         self.config = get_model_config(self.model[0])
         self._wire_hooks()
 
@@ -161,7 +162,7 @@ class MegatronRLStep(StepCore):
         for mb in micros:
             if cp_size > 1 and self.cp_shard:
                 mb = shard_for_context_parallel(mb, cp_size, cp_rank)
-            elif cp_size > 1 and "seq_valid_tokens" not in mb and self.loss_agg == "seq-mean-token-mean":
+            elif cp_size > 1 and "seq_valid_tokens" not in mb and self.loss_agg == SEQ_MEAN_TOKEN_MEAN:
                 raise ValueError(
                     "cp_shard=False with context parallelism: micro-batches are CP shards, so seq-mean-token-mean "
                     "needs the whole sequence's counts in micro['seq_valid_tokens'] (shard_for_context_parallel "

@@ -1,0 +1,119 @@
+"""The whole ``"dsrl"`` section: every section together and the rules that span sections."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import model_validator
+
+from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, SftConfig
+from dsrl.config.batch import BatchConfig
+from dsrl.config.data import DataConfig
+from dsrl.config.errors import ConfigError
+from dsrl.config.model import ModelConfig
+from dsrl.config.names import ALGORITHM_LOSS_AGG, CRITIC_ALGORITHMS, GROUP_RELATIVE_ALGORITHMS
+from dsrl.config.rollout import RolloutConfig
+from dsrl.config.run import RunConfig, SchedulerConfig
+from dsrl.config.section import Section, setting
+
+
+class DsrlConfig(Section):
+    """The whole "dsrl" section."""
+
+    PATH: ClassVar[str] = "dsrl"
+
+    batch: BatchConfig = setting(BatchConfig, BatchConfig.__doc__)
+    run: RunConfig = setting(RunConfig, RunConfig.__doc__)
+    model: ModelConfig = setting(ModelConfig, ModelConfig.__doc__)
+    data: DataConfig = setting(DataConfig, DataConfig.__doc__)
+    rollout: RolloutConfig = setting(RolloutConfig, RolloutConfig.__doc__)
+    algorithm: AlgorithmConfig = setting(AlgorithmConfig, AlgorithmConfig.__doc__)
+    scheduler: SchedulerConfig = setting(SchedulerConfig, SchedulerConfig.__doc__)
+    critic: CriticConfig = setting(CriticConfig, CriticConfig.__doc__)
+    sft: SftConfig = setting(SftConfig, SftConfig.__doc__)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sections(cls, data: Any) -> Any:
+        """A section given as null takes its defaults."""
+        if isinstance(data, dict):
+            data = {k: ({} if v is None and k in cls.model_fields else v) for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _groups_can_differ(self) -> DsrlConfig:
+        """A group-relative algorithm (grpo, dr_grpo, rloo, dapo) needs `batch.samples_per_prompt` >= 2: a group
+        of one sample always has advantage 0, so the policy would never get a gradient."""
+        name, G = self.algorithm.name, self.batch.samples_per_prompt
+        if name in GROUP_RELATIVE_ALGORITHMS and G < 2:
+            raise ConfigError(
+                f"dsrl.batch.samples_per_prompt = {G} with dsrl.algorithm.name = {name!r}: {name} computes each "
+                "sample's advantage relative to the other samples of its prompt, so a group of one sample always "
+                "has advantage 0 and training never gets a gradient. Fix: set dsrl.batch.samples_per_prompt >= 2 "
+                "(GRPO-style runs use 4-16)."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _critic_only_with_a_critic_algorithm(self) -> DsrlConfig:
+        """A `critic` key is set only with an algorithm that trains a critic (ppo)."""
+        if self.critic.model_fields_set and self.algorithm.name not in CRITIC_ALGORITHMS:
+            keys = ", ".join(sorted(self.critic.model_fields_set))
+            raise ConfigError(
+                f"dsrl.critic ({keys}) is set but dsrl.algorithm.name = {self.algorithm.name!r} trains no critic. "
+                f"Fix: set dsrl.algorithm.name to one of {', '.join(CRITIC_ALGORITHMS)}, or remove dsrl.critic."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> DsrlConfig:
+        """`algorithm.overlong_buffer` is shorter than `rollout.max_new_tokens`."""
+        buf, limit = self.algorithm.overlong_buffer, self.rollout.max_new_tokens
+        if buf >= limit:
+            raise ConfigError(
+                f"dsrl.algorithm.overlong_buffer = {buf} must be in [0, rollout.max_new_tokens = {limit}). "
+                "Fix: lower overlong_buffer or raise dsrl.rollout.max_new_tokens."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _token_budget_fits_a_sequence(self) -> DsrlConfig:
+        """In token-budget mode `batch.max_tokens_per_micro_batch` holds the longest possible sequence
+        (`data.max_prompt_tokens` + `rollout.max_new_tokens`), unless `batch.allow_oversize`."""
+        T, b = self.batch.max_tokens_per_micro_batch, self.batch
+        max_len = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        if T is not None and T < max_len and not b.allow_oversize:
+            raise ConfigError(
+                f"dsrl.batch.max_tokens_per_micro_batch T = {T} is smaller than the longest possible sequence "
+                f"(data.max_prompt_tokens + rollout.max_new_tokens = {max_len}). Fix: raise T to >= {max_len} "
+                "or set dsrl.batch.allow_oversize = true to place such sequences alone."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reward_timeout_below_collective_bound(self) -> DsrlConfig:
+        """`data.reward_timeout_s`, when set, is smaller than `run.collective_timeout_s`: a reward call must give
+        up before the other ranks stop waiting for it."""
+        limit, bound = self.data.reward_timeout_s, self.run.collective_timeout_s
+        if limit is not None and limit >= bound:
+            raise ConfigError(
+                f"dsrl.data.reward_timeout_s = {limit} is not below dsrl.run.collective_timeout_s = {bound}: the "
+                "other ranks would end the job before a stuck reward call is given up. Fix: lower "
+                "reward_timeout_s or raise collective_timeout_s."
+            )
+        return self
+
+    @property
+    def loss_agg(self) -> str:
+        """The resolved aggregation mode: the configured one, else the algorithm's default."""
+        return self.batch.loss_agg or ALGORITHM_LOSS_AGG[self.algorithm.name]
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the algorithm trains a value model beside the policy (dsrl.critic)."""
+        return self.algorithm.name in CRITIC_ALGORITHMS
+
+    @property
+    def loss_agg_norm_length(self) -> int:
+        """L_norm for seq-mean-token-sum-norm (a constant, never the batch's padded length)."""
+        return self.batch.loss_agg_norm_length or self.rollout.max_new_tokens
