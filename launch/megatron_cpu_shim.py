@@ -1,4 +1,4 @@
-"""CPU-only shim: lets megatron-core 0.16.1 run on CPU with gloo (no CUDA, no Transformer Engine).
+"""CPU-only shim: lets megatron-core 0.16.1-0.19.x run on CPU with gloo (no CUDA, no Transformer Engine).
 
 Used by the CPU demo of launch/train_megatron.py and by the tests.
 
@@ -26,6 +26,19 @@ def _cpu_device(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+class _CpuStream:
+    """What ``torch.cuda.current_stream()`` returns on the CPU: a stream on which every wait is a no-op."""
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
 def install() -> None:
     """Idempotently patch torch.cuda / megatron-core's CUDA-only calls for a CPU-only process."""
     global _INSTALLED
@@ -48,6 +61,8 @@ def install() -> None:
     torch.cuda.manual_seed_all = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+    # megatron-core >= 0.19: a grad sync first waits on the current stream for CUDA-graph events (none on the CPU)
+    torch.cuda.current_stream = lambda *a, **k: _CpuStream()  # type: ignore[assignment]
 
     from megatron.core.tensor_parallel import random as mrandom
 

@@ -44,7 +44,9 @@ from dsrl.cli.check_objectives import (
     MAX_LEN,
     OBJECTIVES,
     VOCAB,
+    apply_correction,
     per_token_loss,
+    reference_correction,
     reference_per_token_loss,
     value_model,
 )
@@ -148,6 +150,11 @@ def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, tor
         s["old_logprobs"] = -torch.log(torch.tensor(float(VOCAB))) + 0.3 * torch.randn(n, generator=g2)
         s["old_values"] = torch.randn(n, generator=g2) * 0.3
         s["returns"] = 1.0 + 0.5 * torch.randn(n, generator=g2)  # returns near a reward of 1: no cancellation
+    # Behavior log-probs of the correction objectives, from a third stream: log w = log pi_old - log mu with a
+    # spread that puts token weights and sequence weights on both sides of the cap and of [1/cap, cap].
+    g3 = torch.Generator().manual_seed(seed + 104729)
+    for s in seqs:
+        s["behavior_logprobs"] = s["old_logprobs"] + 0.6 * torch.randn(s["input_ids"].shape[0], generator=g3)
     return seqs
 
 
@@ -155,7 +162,7 @@ def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence of this micro-batch."""
     t = max(s["input_ids"].shape[0] for s in seqs)
     out = {k: torch.zeros(len(seqs), t, dtype=torch.long) for k in ("input_ids", "targets", "loss_mask")}
-    out.update({k: torch.zeros(len(seqs), t) for k in _FLOAT_KEYS if k in seqs[0]})
+    out.update({k: torch.zeros(len(seqs), t) for k in _FLOAT_KEYS if all(k in s for s in seqs)})
     for i, s in enumerate(seqs):
         n = s["input_ids"].shape[0]
         for k in out:
@@ -164,7 +171,7 @@ def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
-_FLOAT_KEYS = ("old_logprobs", "old_values", "returns")
+_FLOAT_KEYS = ("old_logprobs", "old_values", "returns", "behavior_logprobs", "is_weights")
 
 
 def _rank_bounds(n: int, world: int, how: str) -> list[int]:
@@ -222,7 +229,7 @@ def reference_gradient(model: torch.nn.Module, seqs: list[dict], loss_agg: str,
     ref = copy.deepcopy(model).double()
     batch = collate(seqs)
     lt = reference_per_token_loss(ref, batch, objective)
-    mask = batch["loss_mask"].double()
+    _, mask = reference_correction(batch, objective)
     n_s = mask.sum(-1)
     nonempty = n_s > 0
     if loss_agg == TOKEN_MEAN:
@@ -334,6 +341,7 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
     replicas = data_parallel_size(ds_config, world)  # tensor peers of a replica get the same data
     B = 6 * replicas
     seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty")), replicas, split)
+    corrected = apply_correction(seqs, objective)  # dsrl's experience-side step; the reference gets ``seqs``
     torch.manual_seed(seed)
     model = build_model(arch, objective)
     reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
@@ -350,13 +358,14 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
     with torch.no_grad():
         for name, p in reference.named_parameters():
             p.copy_(before[name])
-    micros = [collate(part) for part in split_for_rank(seqs, replicas, replica, split)]
+    micros = [collate(part) for part in split_for_rank(corrected, replicas, replica, split)]
     dtype = next(engine.module.parameters()).dtype
     dev = engine.device
     micros = [{k: v.to(dev) for k, v in mb.items()} for mb in micros]
     for mb in micros:
         for key in ("advantages", *_FLOAT_KEYS):
-            mb[key] = mb[key].to(dtype)
+            if key in mb:
+                mb[key] = mb[key].to(dtype)
     metrics: Any = {}
     loss_fn = LOSSES[objective]
     if method == "naive":

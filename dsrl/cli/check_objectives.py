@@ -4,7 +4,12 @@
 - ``gspo``: the sequence-level clipped ratio, :func:`dsrl.algos.losses.sequence_clipped_policy_loss` (clip
   ``RATIO_CLIP`` both ways; the check's old log-probs put sequence ratios on both sides of it);
 - ``value``: the critic's clipped value loss, :func:`dsrl.algos.losses.clipped_value_loss` (``VALUE_CLIP``), on
-  the critic's architecture, a tiny ``AutoModelForTokenClassification`` with one label.
+  the critic's architecture, a tiny ``AutoModelForTokenClassification`` with one label;
+- ``tis_token``, ``tis_sequence``, ``mis_token``, ``mis_sequence``: the ``policy`` loss under the off-policy
+  correction (:mod:`dsrl.algos.correction`, cap ``CORRECTION_CAP``), from behavior log-probs on both sides of
+  the cap: dsrl's correction runs on each sequence before the step (as the experience maker runs it), the
+  reference applies the definition in float64 (weights w~ = min(w, C), or masks [1/C, C], per token or per
+  sequence).
 
 The dsrl side calls dsrl.algos.losses; the reference side (:func:`reference_per_token_loss`) is written
 independently, in float64.
@@ -17,7 +22,10 @@ from typing import Any
 import torch
 
 VOCAB, HIDDEN, MAX_LEN = 32, 16, 12  # the check's tiny models (dsrl.check)
-OBJECTIVES = ("policy", "gspo", "value")
+CORRECTIONS = {"tis_token": ("tis", "token"), "tis_sequence": ("tis", "sequence"), "mis_token": ("mis", "token"),
+               "mis_sequence": ("mis", "sequence")}  # objective -> (rollout_correction.mode, level)
+OBJECTIVES = ("policy", "gspo", "value", *CORRECTIONS)
+CORRECTION_CAP = 2.0
 RATIO_CLIP = 0.1  # gspo objective: clip_low = clip_high (the data's ratios fall on both sides of it)
 VALUE_CLIP = 0.2  # value objective: |V - V_old| <= VALUE_CLIP
 
@@ -65,7 +73,54 @@ def value_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
                               VALUE_CLIP)[0]
 
 
-LOSSES = {"policy": per_token_loss, "gspo": gspo_loss, "value": value_loss}
+def corrected_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The policy loss times the correction's weights (``is_weights``; mis changed only ``loss_mask``)."""
+    loss = per_token_loss(model, micro)
+    return loss * micro["is_weights"].to(loss.dtype) if "is_weights" in micro else loss
+
+
+def apply_correction(seqs: list[dict[str, torch.Tensor]], objective: str) -> list[dict[str, torch.Tensor]]:
+    """dsrl's side of a correction objective: :func:`dsrl.algos.correction.correct` on every sequence's counted
+    tokens, giving ``is_weights`` (tis, float32 as the trainer collates them) or a narrower ``loss_mask`` (mis)."""
+    from dsrl.algos.correction import correct
+
+    if objective not in CORRECTIONS:
+        return seqs
+    mode, level = CORRECTIONS[objective]
+    out = []
+    for s in seqs:
+        counted = (s["loss_mask"] > 0).tolist()
+        fix = correct(s["old_logprobs"].tolist(), s["behavior_logprobs"].tolist(), counted, mode, level,
+                      CORRECTION_CAP)
+        s = dict(s)
+        if mode == "tis":  # as the trainer collates them: 1 where a sample (or token) carries no weight
+            s["is_weights"] = torch.tensor(fix.weights or [1.0] * len(counted), dtype=torch.float32)
+        if fix.keep is not None:
+            s["loss_mask"] = s["loss_mask"] * torch.tensor(fix.keep, dtype=torch.long)
+        out.append(s)
+    return out
+
+
+def reference_correction(batch: dict[str, torch.Tensor], objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, loss mask) of a correction objective in float64, from the definition (ARCHITECTURE §8): log w =
+    log pi_old - log mu on the counted tokens; tis: min(w, C) per token or min(exp(sum log w), C) per sequence;
+    mis: tokens (or whole sequences) with w outside [1/C, C] leave the mask. Other objectives: (1, the mask)."""
+    mask = batch["loss_mask"].double()
+    if objective not in CORRECTIONS:
+        return torch.ones_like(mask), mask
+    mode, level = CORRECTIONS[objective]
+    log_w = (batch["old_logprobs"].double() - batch["behavior_logprobs"].double()) * mask
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
+    cap = torch.tensor(CORRECTION_CAP, dtype=torch.float64)
+    if mode == "tis":
+        return torch.minimum(torch.exp(log_w), cap), mask
+    inside = (log_w >= -torch.log(cap)) & (log_w <= torch.log(cap))
+    return torch.ones_like(mask), mask * inside.double()
+
+
+LOSSES = {"policy": per_token_loss, "gspo": gspo_loss, "value": value_loss,
+          **dict.fromkeys(CORRECTIONS, corrected_loss)}
 
 
 def reference_per_token_loss(model: Any, batch: dict[str, torch.Tensor], objective: str) -> torch.Tensor:
@@ -83,6 +138,9 @@ def reference_per_token_loss(model: Any, batch: dict[str, torch.Tensor], objecti
     adv = batch["advantages"].double()
     if objective == "policy":
         return -adv.unsqueeze(-1) * logp
+    if objective in CORRECTIONS:
+        weights, _ = reference_correction(batch, objective)
+        return weights * (-adv.unsqueeze(-1) * logp)
     # gspo: one ratio per sequence, s_i = exp(mean over its valid tokens of log pi - log pi_old)
     diff = torch.where(mask > 0, logp - batch["old_logprobs"].double(), torch.zeros_like(logp))
     s = torch.exp(diff.sum(-1) / mask.sum(-1).clamp(min=1))

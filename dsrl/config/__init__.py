@@ -10,7 +10,7 @@ and docs/configuration.md (:mod:`.docs`).
 May import: pydantic and the standard library; no other dsrl package.
 """
 
-from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, SftConfig
+from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, RolloutCorrectionConfig, SftConfig
 from dsrl.config.batch import BatchConfig
 from dsrl.config.data import DataConfig
 from dsrl.config.errors import ConfigError
@@ -30,6 +30,7 @@ from dsrl.config.section import Section
 
 __all__ = [
     "DS_BATCH_KEYS", "AlgorithmConfig", "BatchConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "DsrlConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SchedulerConfig", "Section", "SftConfig",
+    "DsrlConfig", "ModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SchedulerConfig",
+    "Section", "SftConfig",
     "apply_overrides", "load_config", "parse_override_args", "parse_override_value",
 ]

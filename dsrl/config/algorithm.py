@@ -5,8 +5,30 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from dsrl.config.names import AlgorithmName, RatioLevel
+from dsrl.config.names import (
+    CORRECTION_NONE,
+    TOKEN_LEVEL,
+    AlgorithmName,
+    CorrectionMode,
+    Level,
+    RatioLevel,
+)
 from dsrl.config.section import Section, setting
+
+
+class RolloutCorrectionConfig(Section):
+    """Off-policy correction of the rollout policy (ARCHITECTURE §8): the samples were drawn by the rollout
+    backend (its kernels, precision and, asynchronously, older weights), the loss uses the trainer's log-probs;
+    w = pi_old / mu per token. The mismatch is measured and logged whatever the mode."""
+
+    PATH: ClassVar[str] = "dsrl.algorithm.rollout_correction"
+
+    mode: CorrectionMode = setting(
+        CORRECTION_NONE, "none (loss untouched), tis (multiply the per-token policy loss by min(w, cap)) or mis "
+                         "(remove tokens whose w leaves [1/cap, cap] from the loss and its counts)")
+    level: Level = setting(TOKEN_LEVEL, "token: w per token; sequence: w = exp(sum of the sequence's log w), one per "
+                                        "sequence")
+    cap: float = setting(2.0, "C: the truncation bound (tis) or the acceptance band [1/C, C] (mis)", gt=1)
 
 
 class AlgorithmConfig(Section):
@@ -40,6 +62,7 @@ class AlgorithmConfig(Section):
     overlong_buffer: int = setting(
         0, "soft overlong punishment: length window before max_new_tokens", "tokens", ge=0)
     overlong_penalty: float = setting(1.0, "soft overlong punishment at the limit")
+    rollout_correction: RolloutCorrectionConfig = setting(RolloutCorrectionConfig, RolloutCorrectionConfig.__doc__)
 
 
 class CriticConfig(Section):

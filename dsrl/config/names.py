@@ -19,10 +19,21 @@ TOKEN_MEAN, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_SUM_NORM = L
 AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "dapo", "gspo", "ppo"]
 ALGORITHM_NAMES: tuple[str, ...] = get_args(AlgorithmName)
 
-# Importance-ratio levels: "token" = pi/pi_old per token (PPO, GRPO); "sequence" = the length-normalised
-# sequence likelihood ratio exp(mean_t log(pi/pi_old)), clipped per sequence (GSPO).
-RatioLevel = Literal["token", "sequence"]
-RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+# Levels of a per-token quantity: "token" = each token its own; "sequence" = one value per sequence.
+# The importance ratio (algorithm.ratio_level): token = pi/pi_old per token (PPO, GRPO); sequence = the
+# length-normalised sequence likelihood ratio exp(mean_t log(pi/pi_old)), clipped per sequence (GSPO).
+# The off-policy correction (algorithm.rollout_correction.level): ARCHITECTURE §8, dsrl.algos.correction.
+Level = Literal["token", "sequence"]
+LEVELS: tuple[str, ...] = get_args(Level)
+TOKEN_LEVEL, SEQUENCE_LEVEL = LEVELS
+RatioLevel = Level
+RATIO_LEVELS = LEVELS
+
+# Off-policy correction of the behavior policy (algorithm.rollout_correction.mode, ARCHITECTURE §8): none, tis
+# (truncated importance sampling), mis (masked importance sampling).
+CorrectionMode = Literal["none", "tis", "mis"]
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
+CORRECTION_NONE, CORRECTION_TIS, CORRECTION_MIS = CORRECTION_MODES
 
 # Per-algorithm defaults for the keys left unset (null) in "dsrl.algorithm" / "dsrl.batch.loss_agg".
 # group_relative: advantages are relative to the other samples of the same prompt, so a group of one

@@ -27,5 +27,8 @@ class RolloutConfig(Section):
                            gt=0, le=1)
     top_k: int = setting(0, "top-k sampling (0 = off)", ge=0)
     generation_batch_size: int = setting(64, "prompts per generate() call on one rank", "prompts", gt=0)
+    vllm_gpu_memory_utilization: float = setting(
+        0.3, "vllm backend on a GPU: the fraction of the device the engine reserves (weights + KV cache) beside "
+             "the training state; on the CPU dsrl sizes the KV cache from the workload", gt=0, lt=1)
     logprob_micro_batch_size: int = setting(
         16, "sequences per no-grad log-prob forward on one rank", "sequences", gt=0)

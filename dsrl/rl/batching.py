@@ -6,7 +6,11 @@ re-partitioned every epoch. :func:`collate` turns samples into a right-padded mi
 
 - ``input_ids[i, t] = tokens[t]`` and ``targets[i, t] = tokens[t + 1]`` for t < len(tokens) - 1;
 - ``loss_mask[i, t] = 1`` exactly where ``targets[i, t]`` is a completion token of an active sample
-  (a sample masked by a filter contributes no token to any count);
+  whose ``completion_mask`` is 1 (a sample masked by a filter contributes no token to any count; a
+  ``completion_mask`` 0 marks an environment token of a multi-turn trajectory, or a token the masked
+  importance sampling removed);
+- ``is_weights[b, t]``: the off-policy correction's truncated weight of each completion token
+  (:mod:`dsrl.algos.correction`), present when some sample carries one (1 elsewhere);
 - ``old_logprobs`` / ``ref_logprobs`` are aligned with ``targets``; ``advantages`` is ``[b]`` (one per
   sequence), or ``[b, t]`` aligned with ``targets`` when the samples carry per-token advantages (GAE);
 - with a critic, ``old_values`` (the critic's values at rollout time) and ``returns`` (its GAE
@@ -44,6 +48,12 @@ class Sample:
     values: list[float] | None = None
     returns: list[float] | None = None
     token_advantages: list[float] | None = None
+    # The rollout side (ARCHITECTURE §8), one per completion token: log mu of the behavior policy (the backend that
+    # sampled the token), whether the loss counts the token (None = all of them), the correction's weight.
+    behavior_logprobs: list[float] | None = None
+    completion_mask: list[int] | None = None
+    is_weights: list[float] | None = None
+    version: int = 0  # the policy version (weight syncs) the sample was generated with
 
     @property
     def completion_len(self) -> int:
@@ -67,7 +77,7 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
     loss_mask = torch.zeros((b, width), dtype=torch.long)
     old = torch.zeros((b, width), dtype=torch.float32)
     ref = torch.zeros((b, width), dtype=torch.float32)
-    per_token = {key: torch.zeros((b, width), dtype=torch.float32)
+    per_token = {key: torch.full((b, width), _FILL.get(key, 0.0), dtype=torch.float32)
                  for key, attr in _PER_TOKEN.items() if with_logprobs and any(getattr(s, attr) for s in samples)}
     for i, s in enumerate(samples):
         n = len(s.tokens) - 1
@@ -78,6 +88,8 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
         start = s.prompt_len - 1  # position whose target is the first completion token
         if s.active and n > start:
             loss_mask[i, start:n] = 1
+            if s.completion_mask is not None:
+                loss_mask[i, start:n] = torch.tensor(s.completion_mask[: n - start], dtype=torch.long)
         if with_logprobs and s.old_logprobs:
             old[i, start:start + len(s.old_logprobs)] = torch.tensor(s.old_logprobs)
         if with_logprobs and s.ref_logprobs:
@@ -111,7 +123,7 @@ def collate_packed(samples: list[Sample], pad_id: int, device: torch.device | st
     identical to the padded layout.
     """
     rows = [collate([s], pad_id, "cpu") for s in samples]
-    keys = ("input_ids", "targets", "loss_mask", "old_logprobs", "ref_logprobs", "old_values", "returns")
+    keys = ("input_ids", "targets", "loss_mask", "old_logprobs", "ref_logprobs", "old_values", "returns", "is_weights")
     token_keys = [k for k in keys if k in rows[0]]
     cat = {k: torch.cat([r[k][:, : s.length] for r, s in zip(rows, samples)], dim=1) for k in token_keys}
     cat["position_ids"] = torch.cat([torch.arange(s.length) for s in samples]).unsqueeze(0)
@@ -125,7 +137,9 @@ def collate_packed(samples: list[Sample], pad_id: int, device: torch.device | st
 
 
 # Collated [b, t] tensor -> the per-completion-token Sample field it is filled from.
-_PER_TOKEN = {"old_values": "values", "returns": "returns", "advantages": "token_advantages"}
+_PER_TOKEN = {"old_values": "values", "returns": "returns", "advantages": "token_advantages",
+              "is_weights": "is_weights"}
+_FILL = {"is_weights": 1.0}  # the value of positions (and samples) without one
 
 
 def completion_positions(samples: list[Sample]) -> list[slice]:

@@ -33,10 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from dsrl import algos
+from dsrl.algos.correction import Mismatch, correct
 from dsrl.algos.losses import kl_estimate
 from dsrl.config import DsrlConfig
 from dsrl.core.collectives import all_reduce_floats
@@ -78,6 +80,16 @@ class RolloutStats:
     reward_model_fillers: float = 0.0  # reward-model forwards run only to match other ranks' counts (ZeRO-3)
     rollout_s: float = 0.0
     train_s: float = 0.0
+    # The behavior policy's mismatch (dsrl.algos.correction.Mismatch) and the samples' staleness; the *_max
+    # fields are maxima over ranks, every other field a sum.
+    mismatch_tokens: float = 0.0
+    logprob_abs_diff_sum: float = 0.0
+    rollout_kl_sum: float = 0.0
+    is_weight_max: float = 0.0
+    is_truncated: float = 0.0
+    is_masked: float = 0.0
+    staleness_sum: float = 0.0
+    staleness_max: float = 0.0
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Count the final (kept) samples of this rank."""
@@ -93,11 +105,27 @@ class RolloutStats:
         self.masked_samples += sum(not s.active for s in samples)
         self.truncated_samples += sum(not s.finished for s in samples)
 
+    def add_staleness(self, samples: list[Sample], trainer_version: int) -> None:
+        """How many versions behind the trainer's weights each sample's generating weights were."""
+        ages = [trainer_version - s.version for s in samples]
+        self.staleness_sum += sum(ages)
+        self.staleness_max = max([self.staleness_max, *ages])
+
+    def add_mismatch(self, m: Mismatch) -> None:
+        self.mismatch_tokens += m.tokens
+        self.logprob_abs_diff_sum += m.abs_diff_sum
+        self.rollout_kl_sum += m.kl_sum
+        self.is_weight_max = max(self.is_weight_max, m.weight_max)
+        self.is_truncated += m.truncated
+        self.is_masked += m.masked
+
     def summed(self, device: Any = "cpu") -> RolloutStats:
-        """The same fields summed over every rank (one all-reduce)."""
-        names = [f.name for f in fields(self)]
+        """The fields summed over every rank (one all-reduce), the ``*_max`` fields maximised (a second one)."""
+        names = [f.name for f in fields(self) if not f.name.endswith("_max")]
+        maxima = [f.name for f in fields(self) if f.name.endswith("_max")]
         totals = all_reduce_floats([getattr(self, n) for n in names], device=device)
-        return RolloutStats(**dict(zip(names, totals)))
+        tops = all_reduce_floats([getattr(self, n) for n in maxima], dist.ReduceOp.MAX, device=device)
+        return RolloutStats(**dict(zip(names, totals)), **dict(zip(maxima, tops)))
 
 
 @dataclass
@@ -128,6 +156,7 @@ class ExperienceMaker:
         self.replica = self.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
         self.pad_id = tokenizer.pad_token_id
         self._rm_fillers = 0
+        self.version = 0  # the policy version of the weights generating now (colocated: the rollout index)
 
     @property
     def device(self) -> Any:
@@ -175,7 +204,8 @@ class ExperienceMaker:
         for c, reward, acc in zip(completions, rewards, accs):
             groups[c.prompt_index].append(Sample(
                 tokens=list(c.prompt_ids) + list(c.completion_ids), prompt_len=len(c.prompt_ids),
-                group=indices[c.prompt_index], reward=reward, finished=bool(c.finished), accuracy=acc))
+                group=indices[c.prompt_index], reward=reward, finished=bool(c.finished), accuracy=acc,
+                behavior_logprobs=c.behavior_logprobs, version=self.version))
         return groups
 
     def _shape_rewards(self, samples: list[Sample]) -> None:
@@ -261,6 +291,29 @@ class ExperienceMaker:
                 kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1").sum().item()
                 s.reward -= coef * kl
 
+    def correct_off_policy(self, samples: list[Sample], stats: RolloutStats) -> None:
+        """The off-policy correction of each sample from its proximal (old) and behavior log-probs
+        (:mod:`dsrl.algos.correction`): tis weights, or mis removals from the tokens the loss counts; the
+        mismatch goes to ``stats`` (sources only: each replica's data counted once)."""
+        c = self.d.algorithm.rollout_correction
+        counted_here = is_source(self.view)
+        for s in samples:
+            if s.behavior_logprobs is None:
+                continue
+            if len(s.behavior_logprobs) != len(s.old_logprobs):
+                raise RuntimeError(f"a sample of prompt {s.group} has {len(s.behavior_logprobs)} behavior log-probs "
+                                   f"for {len(s.old_logprobs)} completion tokens; the rollout backend broke its "
+                                   "contract (dsrl.rollout.base)")
+            mask = s.completion_mask or [1] * len(s.old_logprobs)
+            counted = [bool(s.active and k) for k in mask]
+            fix = correct(s.old_logprobs, s.behavior_logprobs, counted, c.mode, c.level, c.cap)
+            if fix.weights is not None:
+                s.is_weights = [float(np.float32(w)) for w in fix.weights]  # what the float32 loss multiplies by
+            if fix.keep is not None:
+                s.completion_mask = [int(k and bool(x)) for k, x in zip(fix.keep, mask)]
+            if counted_here:
+                stats.add_mismatch(fix.mismatch)
+
     def advantages(self, samples: list[Sample]) -> None:
         """Group advantages from the (penalised) rewards; masked samples get 0."""
         adv = algos.compute_advantages(self.d.algorithm.name, masked_rewards(samples), self.plan.samples_per_prompt,
@@ -303,16 +356,20 @@ class ExperienceMaker:
         """The whole pipeline for one rollout: samples ready to train on, stats, sampling rounds."""
         t0 = time.perf_counter()
         # A backend with its own copy of the weights (vllm) takes the policy's current ones (every rank:
-        # a parameter gather under ZeRO-3); shared-weight backends do nothing.
+        # a parameter gather under ZeRO-3); shared-weight backends do nothing. Either way the generating
+        # weights are now those of version = rollout index, the version the trainer holds: staleness 0.
         self.backend.sync_weights()
+        self.version = rollout_index
         samples, stats, rounds = self.collect(rollout_index)
         self.score_logprobs(samples)
+        self.correct_off_policy(samples, stats)
         if self.critic is not None:
             self.gae_advantages(samples)
         else:
             self.advantages(samples)
         if is_source(self.view):
             stats.add_samples(samples)
+            stats.add_staleness(samples, trainer_version=rollout_index)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds
 

@@ -46,6 +46,7 @@ from dsrl.checkpoint.export import export_checkpoint, write_hf_meta
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.checkpoint.run_dir import FINAL_MODEL, check_free_space, open_run_dir
 from dsrl.config import Config, ConfigError, load_config
+from dsrl.config.names import VLLM_BACKEND
 from dsrl.core import collectives, timeouts
 from dsrl.core.errors import RunError
 from dsrl.core.logprobs import token_entropy, token_logprobs
@@ -109,6 +110,8 @@ class Trainer:
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
                             seed=d.run.seed)
         check_free_space(self.run_dir, model, d.run)
+        if d.rollout.backend == VLLM_BACKEND:
+            self._check_vllm(model)
         self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 else None
         self.rl: RLEngine = initialize(model, spec)
         self.plan = self.rl.plan
@@ -126,7 +129,7 @@ class Trainer:
             from dsrl.rl.critic import Critic
 
             self.critic = Critic.build(critic_spec, tok, seed=d.run.seed)
-        self.backend = make_backend(d.rollout, self.rl.engine, tok)
+        self.backend = make_backend(d.rollout, self.rl.engine, tok, **self._backend_kwargs())
         self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
                                      last_rollout=d.run.last_rollout)
         self.pad_id = tok.pad_token_id
@@ -145,6 +148,29 @@ class Trainer:
         resumed = self._maybe_resume()
         self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
                                      resume_at=(self.rollout_index, self.rl.optimizer_steps) if resumed else None)
+
+    def _check_vllm(self, model: torch.nn.Module) -> None:
+        """The vllm backend can serve this policy on this layout (before any work)."""
+        from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+        from dsrl.rollout.vllm import check_servable
+
+        tp = tensor_parallel_size(self.cfg.ds_config)
+        if tp > 1:
+            raise ConfigError(f"rollout.backend = 'vllm' with tensor_parallel.autotp_size = {tp}: the vLLM engine "
+                              "takes whole weights, which AutoTP shards. Fix: use rollout.backend = 'hf' or 'cb' under "
+                              "AutoTP, or set autotp_size to 1 (ZeRO-3 shards the training state instead).")
+        try:
+            check_servable(model.config, on_cpu=not self.on_gpu)
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
+
+    def _backend_kwargs(self) -> dict[str, Any]:
+        """What a backend with its own engine (vllm) needs beyond the rollout settings."""
+        d = self.d
+        if d.rollout.backend != VLLM_BACKEND:
+            return {}
+        return {"max_model_len": d.data.max_prompt_tokens + d.rollout.max_new_tokens,
+                "samples_per_prompt": self.plan.samples_per_prompt, "seed": d.run.seed}
 
     # -- resume ---------------------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
@@ -186,8 +212,8 @@ class Trainer:
 
     # -- training -------------------------------------------------------------------------------
     def loss_fn(self, engine, micro):
-        """Per-token loss: clipped surrogate (token or sequence ratio) (+ KL in loss) (- entropy bonus), and
-        per-token metrics."""
+        """Per-token loss: clipped surrogate (token or sequence ratio), times the off-policy correction's weight
+        when one is set, (+ KL in loss) (- entropy bonus), and per-token metrics."""
         a, algo = self.d.algorithm, self.algo
         logits = forward_logits(engine, micro)
         logp = token_logprobs(logits, micro["targets"], self.d.rollout.temperature)
@@ -198,6 +224,8 @@ class Trainer:
         else:
             loss, m = clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], algo.clip_low,
                                           algo.clip_high)
+        if "is_weights" in micro:  # the off-policy correction's truncated weight (dsrl.algos.correction)
+            loss = loss * micro["is_weights"]
         metrics = {"clip_low_frac": m["clip_low_frac"], "clip_high_frac": m["clip_high_frac"]}
         if self.ref_model is not None:
             kl = kl_estimate(logp, micro["ref_logprobs"], a.kl_estimator)
@@ -291,6 +319,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.metrics.close()
+            self.backend.close()
             self.stop.uninstall()
             self.run_dir.release()
         return summary

@@ -7,6 +7,11 @@ Contract of :meth:`RolloutBackend.generate` (all backends):
   ``finished`` is True exactly when that eos was produced (False: cut at ``max_new_tokens``);
 - the result depends only on the weights, the prompts, the rollout settings and ``seed``, so a
   resumed run that regenerates with the same seed gets the same completions on the same hardware;
+- every completion carries its behavior log-probs, one per completion token: log mu(token), the log-prob
+  under the distribution it was sampled from (after temperature, top-k and top-p; with greedy decoding,
+  tests only, the untempered one), as the backend's own forward computed it. The trainer's re-computed
+  log-probs pi_old differ from them by the kernels (and, with top-k/top-p, by the truncation), which the
+  off-policy correction (:mod:`dsrl.algos.correction`) measures and corrects;
 - every data-parallel rank calls ``generate`` the same number of times (the call may gather the
   ZeRO-3 parameters collectively); the number of prompts and the lengths may differ per rank, and a
   rank with no prompts still calls it with an empty list.
@@ -27,7 +32,9 @@ class Completion:
     prompt_ids: list[int]  # unpadded prompt tokens
     completion_ids: list[int]  # generated tokens up to and including the first eos, no padding
     finished: bool  # True if eos was produced (False = truncated at max_new_tokens)
-    logprobs: list[float] | None = None  # only on request: log pi(token) per completion token (raw logits)
+    # log mu(token) per completion token: the log-prob of each token under the distribution the backend sampled it
+    # from (temperature, top-k and top-p applied), computed with the backend's own kernels (ARCHITECTURE §8)
+    behavior_logprobs: list[float] | None = None
 
 
 class RolloutBackend(ABC):
@@ -39,6 +46,9 @@ class RolloutBackend(ABC):
 
     def sync_weights(self) -> None:  # noqa: B027 - a no-op is the right default
         """Make the generator use the policy's current weights (a no-op when they are shared)."""
+
+    def close(self) -> None:  # noqa: B027 - a no-op is the right default
+        """Release what the backend holds beyond the policy (an engine, its memory); called once at the end."""
 
 
 def eos_ids(tokenizer: Any, model: Any = None) -> list[int]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,8 +62,14 @@ DENSE_MASK_PAGE_SIZE = 32  # sdpa/eager: the mask grows with the cache tokens, s
 DENSE_MASK_BUDGET_BYTES = 256 * 2**20  # at most this much for the sdpa/eager attention mask
 MAX_PREFILL_TOKENS = 4096  # tokens per forward beyond one per sequence (longer prefills are chunked)
 RESULT_POLL_S = 1.0  # how often the waiting thread checks that the generation thread is alive
-INSTALL_HINT = ("rollout.backend = 'cb' needs transformers' continuous batching (ContinuousBatchingConfig, "
-                "transformers 5.x; tested with 5.23): pip install -U transformers, or use rollout.backend = 'hf'")
+INSTALL_HINT = ("rollout.backend = 'cb' needs transformers >= 5.19 (continuous batching's ContinuousBatchingConfig "
+                "with page_size and auto_switch_to_flash; tested with 5.19.0 and 5.24.0): "
+                "pip install -U 'transformers>=5.19', or use rollout.backend = 'hf'")
+# every ContinuousBatchingConfig argument continuous_batching_config passes (5.16-5.17 call page_size block_size,
+# 5.18 has no auto_switch_to_flash, and before 5.19 the paged cache has another interface)
+CB_CONFIG_ARGUMENTS = frozenset({"page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch",
+                                 "return_logprobs", "seed", "scheduler_type", "auto_switch_to_flash",
+                                 "disable_nccl_graph_mixing"})
 
 
 def is_flash(attn_implementation: str | None) -> bool:
@@ -188,9 +195,14 @@ class ContinuousBatchingBackend(RolloutBackend):
 
     def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any):
         try:
-            from transformers import ContinuousBatchingConfig  # noqa: F401
+            import transformers
+            from transformers import ContinuousBatchingConfig
         except ImportError as e:
             raise ImportError(INSTALL_HINT) from e
+        missing = sorted(CB_CONFIG_ARGUMENTS - set(inspect.signature(ContinuousBatchingConfig).parameters))
+        if missing:
+            raise ImportError(f"{INSTALL_HINT} (transformers {transformers.__version__}'s ContinuousBatchingConfig "
+                              f"has no {', '.join(missing)})")
         self._hf = HFRolloutBackend(engine_or_module, tokenizer, rollout_cfg)
         self.module, self.ds_engine, self.cfg, self.eos = self._hf.module, self._hf.ds_engine, rollout_cfg, self._hf.eos
         self._num_params: int | None = None
@@ -208,7 +220,7 @@ class ContinuousBatchingBackend(RolloutBackend):
             concurrency(num_prompts, samples_per_prompt, self.cfg.generation_batch_size))
 
     def continuous_batching_config(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
-                                   return_logprobs: bool = False, attention: str | None = None) -> Any:
+                                   attention: str | None = None) -> Any:
         """transformers' ``ContinuousBatchingConfig`` of one call (geometry from :func:`cache_geometry`) run
         under ``attention`` (default: :meth:`attention` of the call)."""
         from transformers import ContinuousBatchingConfig
@@ -222,28 +234,20 @@ class ContinuousBatchingBackend(RolloutBackend):
             mask_itemsize=next(self.module.parameters()).element_size(),
         )
         return ContinuousBatchingConfig(
-            **vars(geometry), return_logprobs=return_logprobs, seed=seed % 2**63, scheduler_type="fifo",
+            **vars(geometry), return_logprobs=True, seed=seed % 2**63, scheduler_type="fifo",
             auto_switch_to_flash=False,  # the model's own attention, nothing fetched at run time
             disable_nccl_graph_mixing=False,  # a tensor-parallel option; leaves the process environment alone
         )
 
-    def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, *,
-                 return_logprobs: bool = False) -> list[Completion]:
-        """Sample ``samples_per_prompt`` completions per prompt; see :mod:`dsrl.rollout.base`.
-
-        ``return_logprobs`` (greedy, or temperature 1 without top-k/top-p: only then are the sampler's
-        log-probs those of the raw logits, as ``Completion.logprobs`` promises) gives each completion the
-        log-probs of its tokens as the sampler computed them.
-        """
+    def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
+        """Sample ``samples_per_prompt`` completions per prompt; see :mod:`dsrl.rollout.base`. The behavior
+        log-probs are the sampler's own: log of the probability of each token after temperature, top-k and
+        top-p, as continuous batching computed it."""
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         for i, p in enumerate(prompt_ids):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. bos)")
-        cfg = self.cfg
-        if return_logprobs and cfg.temperature > 0 and (cfg.temperature != 1.0 or cfg.top_k > 0 or cfg.top_p < 1.0):
-            raise ValueError("return_logprobs with rollout.backend = 'cb' needs greedy or temperature 1 with top_k 0 "
-                             "and top_p 1: continuous batching reports log-probs after temperature/top-k/top-p")
         device = self._hf.device
         rng_devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
         was_training = self.module.training
@@ -256,7 +260,7 @@ class ContinuousBatchingBackend(RolloutBackend):
             stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
             stack.enter_context(_collect_only_new_objects())
             try:
-                results = self._run(prompt_ids, samples_per_prompt, seed, return_logprobs)
+                results = self._run(prompt_ids, samples_per_prompt, seed)
             finally:
                 self.module.train(was_training)
         eos = set(self.eos)
@@ -265,15 +269,14 @@ class ContinuousBatchingBackend(RolloutBackend):
             for j in range(samples_per_prompt):
                 r = results[f"{i}/{j}"]
                 tokens, finished = cut_at_eos(list(r.generated_tokens), eos)
-                logprobs = [float(x) for x in r.logprobs[: len(tokens)]] if return_logprobs else None
                 out.append(Completion(prompt_index=i, prompt_ids=list(p), completion_ids=tokens, finished=finished,
-                                      logprobs=logprobs))
+                                      behavior_logprobs=[float(x) for x in r.logprobs[: len(tokens)]]))
         return out
 
-    def _run(self, prompt_ids: list[list[int]], g: int, seed: int, return_logprobs: bool) -> dict[str, Any]:
+    def _run(self, prompt_ids: list[list[int]], g: int, seed: int) -> dict[str, Any]:
         """Every request through one manager: request id ``"<prompt>/<sample>"`` -> GenerationOutput."""
         attn, run_attn = self.module.config._attn_implementation, self.attention(len(prompt_ids), g)
-        cb_cfg = self.continuous_batching_config(prompt_ids, g, seed, return_logprobs, attention=run_attn)
+        cb_cfg = self.continuous_batching_config(prompt_ids, g, seed, attention=run_attn)
         pin = self.module.register_forward_pre_hook(_same_threads_hook(torch.get_num_threads()))
         manager, started, done = None, False, False
         try:
@@ -283,8 +286,8 @@ class ContinuousBatchingBackend(RolloutBackend):
                 register_varlen_attention()
                 check_flash_kernel(self._hf.device, next(self.module.parameters()).dtype)
                 self.module.config._attn_implementation = run_attn
-            manager = self.module.init_continuous_batching(generation_config=self._hf.generation_config(),
-                                                           continuous_batching_config=cb_cfg)
+            gen_cfg = self._hf.generation_config(sampling_in_config=True)
+            manager = self.module.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
             self._check_processors(manager)
             # transformers seeds its sampler with seed + data-parallel rank: cancel the offset
             manager.continuous_batching_config.seed = cb_cfg.seed - manager.distributed_helper.dp_rank

@@ -70,8 +70,12 @@ class HFRolloutBackend(RolloutBackend):
             return torch.device(self.ds_engine.device)
         return next(self.module.parameters()).device
 
-    def generation_config(self, return_logprobs: bool = False) -> Any:
-        """The complete sampling settings of one generate call (nothing inherited from the model).
+    def generation_config(self, sampling_in_config: bool = False) -> Any:
+        """The complete generate settings of one call (nothing inherited from the model). Sampling itself
+        (temperature, top-k, top-p) is applied by :meth:`logits_processors`, not through these settings, so
+        the behavior log-probs are recorded after exactly the processing the sampler sees, in any
+        transformers version; ``sampling_in_config`` puts them in the settings instead (continuous batching
+        builds its own warpers from them).
 
         Each prompt is repeated G times in the batch (what ``num_return_sequences`` does internally),
         so greedy decoding works with G > 1 too.
@@ -80,27 +84,46 @@ class HFRolloutBackend(RolloutBackend):
 
         cfg = self.cfg
         sampling = cfg.temperature > 0
-        extra = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k} if sampling else {}
+        neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+        if sampling_in_config:
+            neutral = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+        neutral = neutral if sampling else {}
         return GenerationConfig(
-            do_sample=sampling, max_new_tokens=cfg.max_new_tokens, num_return_sequences=1,
+            do_sample=sampling, max_new_tokens=self.cfg.max_new_tokens, num_return_sequences=1,
             eos_token_id=self.eos, pad_token_id=self.pad_id, use_cache=True, num_beams=1,
-            return_dict_in_generate=True, output_logits=return_logprobs, **extra,
+            return_dict_in_generate=True, **neutral,
         )
 
-    def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, *,
-                 return_logprobs: bool = False) -> list[Completion]:
+    def logits_processors(self) -> tuple[Any, BehaviorLogprobs]:
+        """transformers' own temperature, top-k and top-p warpers (in generate's order, only those that change
+        anything), then the recorder of the behavior log-probs."""
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        cfg, procs = self.cfg, LogitsProcessorList()
+        if cfg.temperature > 0:
+            if cfg.temperature != 1.0:
+                procs.append(TemperatureLogitsWarper(cfg.temperature))
+            if cfg.top_k > 0:
+                procs.append(TopKLogitsWarper(top_k=cfg.top_k, min_tokens_to_keep=1))
+            if cfg.top_p < 1.0:
+                procs.append(TopPLogitsWarper(top_p=cfg.top_p, min_tokens_to_keep=1))
+        recorder = BehaviorLogprobs()
+        procs.append(recorder)
+        return procs, recorder
+
+    def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
         """Sample ``samples_per_prompt`` completions per prompt; see :mod:`dsrl.rollout.base`.
 
         Prompts are processed in chunks of ``rollout.generation_batch_size`` in order, after one
-        ``torch.manual_seed(seed)``. With ``return_logprobs`` each completion carries the log-prob of
-        its tokens under the model's raw logits (before temperature/top-k/top-p) as the sampler saw them.
+        ``torch.manual_seed(seed)``. Every completion carries its behavior log-probs (the log-prob of each
+        token under the distribution it was sampled from, computed by generate's own forward).
         """
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         for i, p in enumerate(prompt_ids):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. bos)")
-        gen_cfg = self.generation_config(return_logprobs)
+        gen_cfg = self.generation_config()
         device = self.device
         rng_devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
         was_training = self.module.training
@@ -132,6 +155,7 @@ class HFRolloutBackend(RolloutBackend):
             attention_mask[i, width - len(p):] = 1
         input_ids = input_ids.repeat_interleave(g, dim=0)
         attention_mask = attention_mask.repeat_interleave(g, dim=0)
+        processors, recorder = self.logits_processors()
         extra = {}
         if self.tp_group is not None:
             from transformers import StoppingCriteriaList
@@ -139,14 +163,11 @@ class HFRolloutBackend(RolloutBackend):
             extra["stopping_criteria"] = StoppingCriteriaList([TensorPeersStop(self.eos, self.tp_group)])
         result = self.module.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen_cfg,
-            synced_gpus=False, **extra,
+            logits_processor=processors, synced_gpus=False, **extra,
         )
-        new_tokens = result.sequences[:, width:].cpu()
-        logps = None
-        if gen_cfg.output_logits:
-            logits = torch.stack(result.logits, dim=1).float()  # [n, steps, V]
-            logps = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.to(logits.device).unsqueeze(-1))
-            logps = logps.squeeze(-1).cpu()
+        new_tokens = result.sequences[:, width:]
+        logps = recorder.finish(new_tokens).cpu()
+        new_tokens = new_tokens.cpu()
         eos = set(self.eos)
         completions = []
         for row in range(new_tokens.shape[0]):
@@ -154,6 +175,34 @@ class HFRolloutBackend(RolloutBackend):
             k = row // g
             completions.append(Completion(
                 prompt_index=offset + k, prompt_ids=list(prompts[k]), completion_ids=tokens, finished=finished,
-                logprobs=logps[row, : len(tokens)].tolist() if logps is not None else None,
+                behavior_logprobs=logps[row, : len(tokens)].tolist(),
             ))
         return completions
+
+
+class BehaviorLogprobs:
+    """A logits processor that records, at every generation step, the log-softmax of the scores the sampler
+    draws from (so it must come last), and pairs each step's row with the token drawn from it: read at the
+    next step from ``input_ids``, and for the last step from the finished sequences (:meth:`finish`).
+    Memory: one float32 ``[rows, vocab]`` row set, plus one float per generated token."""
+
+    def __init__(self) -> None:
+        self._steps: list[torch.Tensor] = []
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._last is not None:
+            self._steps.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """``[rows, generated]`` behavior log-probs for the generated tokens ``new_tokens`` (float32)."""
+        steps = list(self._steps)
+        if self._last is not None and len(steps) < new_tokens.shape[1]:
+            steps.append(self._last.gather(-1, new_tokens[:, len(steps):len(steps) + 1].to(self._last.device))
+                         .squeeze(-1))
+        self._steps, self._last = [], None
+        if not steps:
+            return torch.zeros((new_tokens.shape[0], 0), dtype=torch.float32)
+        return torch.stack(steps, dim=1)

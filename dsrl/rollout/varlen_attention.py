@@ -117,6 +117,14 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """transformers' attention-function contract: ``query`` [1, H, Tq, D], ``key``/``value`` [1, Hkv, Tk, D]
     packed; returns ([1, Tq, H, D], None). Causal within each sequence (and within ``sliding_window``),
     never across sequences."""
+    cache = kwargs.get("cache")
+    if cache is not None and hasattr(cache, "layer_to_allocator"):
+        # transformers 5.19-5.23: the model hands the paged cache to the attention function, which writes
+        # this step's keys/values and picks the layer type's ``cu_seq_lens_k``/``max_length_k`` from their dicts
+        # (transformers >= 5.24 does both in the attention layer, before calling here)
+        step = dict(kwargs, cu_seq_lens_k=cu_seq_lens_k, max_length_k=max_length_k)
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=step)
+        cu_seq_lens_k, max_length_k = step["cu_seq_lens_k"], step["max_length_k"]
     if cu_seq_lens_q is None or cu_seq_lens_k is None or max_length_q is None or max_length_k is None:
         raise RuntimeError(f"attn_implementation {VARLEN_ATTENTION!r} only runs packed sequences (continuous "
                            "batching); it is not meant for padded forwards")

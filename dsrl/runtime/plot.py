@@ -59,7 +59,9 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         raise ConfigError(f"dsrl plot {run_dir}: metrics.jsonl holds no rollout or step rows yet.")
     plt = _pyplot()
     has_critic = any("value_loss" in r for r in rollouts)
-    panels = ["reward", "entropy", "kl", *(["value"] if has_critic else []), "lr"]
+    has_mismatch = any(isinstance(r.get("rollout_logprob_abs_diff"), (int, float)) for r in rollouts)
+    panels = ["reward", "entropy", "kl", *(["value"] if has_critic else []), *(["mismatch"] if has_mismatch else []),
+              "lr"]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.1 * len(panels)), sharex=False)
     ax = dict(zip(panels, axes))
 
@@ -82,6 +84,17 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
             ax[name].text(0.5, 0.5, f"no {key} in this run{why}", ha="center", va="center",
                           transform=ax[name].transAxes)
         ax[name].set_ylabel(label)
+    if has_mismatch:  # the behavior policy against the trainer (ARCHITECTURE §8)
+        mm = ax["mismatch"]
+        for key, label in (("rollout_logprob_abs_diff", "mean |log pi_old - log mu|"),
+                           ("rollout_kl", "KL(mu || pi_old)"), ("is_masked_frac", "masked fraction (mis)"),
+                           ("is_truncated_frac", "truncated fraction (tis)")):
+            x, y = _series(rollouts, "rollout", key)
+            if y and any(v > 0 for v in y):
+                mm.plot(x, y, label=label)
+        mm.set_yscale("symlog", linthresh=1e-8)
+        mm.set_ylabel("rollout vs trainer")
+        mm.legend(loc="upper right", fontsize=7)
     for a in axes[:-1]:
         a.set_xlabel("rollout")
     lr = ax["lr"]

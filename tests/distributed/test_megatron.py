@@ -1,4 +1,4 @@
-"""dsrl inside megatron-core 0.16.1 on CPU (gloo, test-only CUDA shim).
+"""dsrl inside megatron-core (0.16.1-0.19.x) on CPU (gloo, test-only CUDA shim).
 
 Multi-process: the finalized gradient of dsrl's one-call Megatron step equals a single-process
 float64 reference of L_M (relative error <= 1e-6 per parameter tensor) for DP=2 with 2 and 3
@@ -29,7 +29,8 @@ MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-to
 def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(

@@ -77,14 +77,15 @@ def test_replica_data_rules_without_a_process_group():
 
 
 def test_transformers_registry_accepts_deepspeeds_default_argument():
-    from transformers.utils import output_capturing
+    output_capturing = pytest.importorskip("transformers.utils.output_capturing")  # transformers 5.x
 
     registry = output_capturing._CAN_RECORD_REGISTRY
     ensure_transformers_compat()
     sentinel = object()
     assert registry.get("<class 'not.registered.Anywhere'>", sentinel) is sentinel  # DeepSpeed's call
-    assert ensure_transformers_compat() is False  # applied once
-    assert registry.get(object()) == {}  # transformers' own call: a model object, unchanged meaning
+    assert ensure_transformers_compat() is False  # applied once (or never: a plain dict needs no fix)
+    if type(registry) is not dict:  # transformers >= 5.23's _CanRecordRegistry; before, a dict keyed by class name
+        assert registry.get(object()) == {}  # transformers' own call: a model object, unchanged meaning
 
 
 def test_plan_reports_tensor_parallelism(tmp_path):

@@ -3,6 +3,7 @@ scheduler driver, and the ImportError message."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -26,10 +27,16 @@ def test_cp_cut_matches_megatron_and_keeps_whole_counts(monkeypatch, cp):
     micro["loss_mask"][1] = False  # a fully masked sequence
     whole_n = sequence_valid_tokens(micro)
     shards = [shard_for_context_parallel(micro, cp, r) for r in range(cp)]
+    # megatron-core >= 0.18 takes is_hybrid_cp and asks torch.distributed for the CP group's size and rank
+    takes_hybrid = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
+    hybrid = {"is_hybrid_cp": False} if takes_hybrid else {}
     for r, sh in enumerate(shards):
         monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda cp=cp: cp)
         monkeypatch.setattr(ps, "get_context_parallel_rank", lambda r=r: r)
-        theirs = get_batch_on_this_cp_rank({"tokens": micro["tokens"].clone(), "loss_mask": micro["loss_mask"]})
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None, cp=cp: cp)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=r: r)
+        theirs = get_batch_on_this_cp_rank({"tokens": micro["tokens"].clone(), "loss_mask": micro["loss_mask"]},
+                                           **hybrid)
         assert torch.equal(sh["tokens"], theirs["tokens"]) and torch.equal(sh["loss_mask"], theirs["loss_mask"])
         assert torch.equal(sh["seq_valid_tokens"].double(), whole_n)
         assert torch.equal(sh["advantages"], micro["advantages"])

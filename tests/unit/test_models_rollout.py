@@ -5,6 +5,7 @@ different amounts do not hang and match a plain module; vLLM's absence is report
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -109,7 +110,7 @@ def test_generate_is_reproducible_and_restores_state():
 def test_left_padded_generation_matches_unpadded_logprobs(arch):
     """The log-probs the sampler saw in a left-padded batch equal an unpadded forward of each sequence."""
     model = tiny(arch, vocab=32)
-    cs = backend(model, generation_batch_size=len(PROMPTS)).generate(PROMPTS, 2, seed=3, return_logprobs=True)
+    cs = backend(model, generation_batch_size=len(PROMPTS)).generate(PROMPTS, 2, seed=3)
     model.eval()
     with torch.no_grad():
         for c in cs:
@@ -117,8 +118,8 @@ def test_left_padded_generation_matches_unpadded_logprobs(arch):
             logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
             target = ids[0, 1:].unsqueeze(-1)
             unpadded = logp.gather(-1, target).squeeze(-1)[len(c.prompt_ids) - 1:]
-            assert c.logprobs is not None and len(c.logprobs) == len(c.completion_ids)
-            torch.testing.assert_close(torch.tensor(c.logprobs), unpadded, atol=1e-5, rtol=0)
+            assert c.behavior_logprobs is not None and len(c.behavior_logprobs) == len(c.completion_ids)
+            torch.testing.assert_close(torch.tensor(c.behavior_logprobs), unpadded, atol=1e-5, rtol=0)
 
 
 def test_make_backend_and_vllm_import_error(monkeypatch):
@@ -127,5 +128,39 @@ def test_make_backend_and_vllm_import_error(monkeypatch):
     with pytest.raises(ConfigError, match=r"dsrl.rollout.backend = 'sglang' is not one of 'hf', 'cb', 'auto', 'vllm'"):
         RolloutConfig(backend="sglang")  # backend names are declared once (config.names) and checked by the config
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, installed or not
-    with pytest.raises(ImportError, match=r"pip install dsrl\[vllm\]"):
-        make_backend(RolloutConfig(backend="vllm"), model, TOK)
+    monkeypatch.setattr("dsrl.rollout.vllm.installed_vllm_builds", lambda: [])  # and no build installed
+    with pytest.raises(ImportError, match=r"pip install 'dsrl\[vllm\]' on a GPU machine"):
+        make_backend(RolloutConfig(backend="vllm"), model, TOK, max_model_len=64)
+
+
+def processed_logprobs(model: torch.nn.Module, c: Completion, temperature: float, top_k: int, top_p: float
+                       ) -> torch.Tensor:
+    """log mu of each completion token from an unpadded forward: the distribution after temperature, top-k and
+    top-p (transformers' own warpers, in generate's order)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    ids = torch.tensor([c.prompt_ids + c.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()[0, len(c.prompt_ids) - 1:-1]
+    scores = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.log_softmax(scores, -1).gather(-1, torch.tensor(c.completion_ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 0.9)])
+def test_behavior_logprobs_are_the_sampling_distributions(temperature, top_k, top_p):
+    """Every completion carries log mu: the log-prob of each token under the distribution it was drawn from
+    (temperature, then top-k, then top-p), equal to an unpadded forward's; the samples are those of
+    transformers' own sampling (the warpers only moved into dsrl's processor list)."""
+    model = tiny("qwen2", vocab=32)
+    cs = backend(model, generation_batch_size=len(PROMPTS), temperature=temperature, top_k=top_k,
+                 top_p=top_p).generate(PROMPTS, 3, seed=11)
+    model.eval()
+    for c in cs:
+        assert len(c.behavior_logprobs) == len(c.completion_ids)
+        want = processed_logprobs(model, c, temperature, top_k, top_p)
+        torch.testing.assert_close(torch.tensor(c.behavior_logprobs), want, atol=1e-5, rtol=0)
+        assert all(math.isfinite(x) for x in c.behavior_logprobs)

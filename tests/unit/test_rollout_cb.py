@@ -56,14 +56,15 @@ def test_greedy_completions_equal_generate(arch, eos_at):
         model.lm_head.weight[EOS] *= 8.0
     for max_new in (10, eos_at):
         cfg = rollout(temperature=0.0, max_new_tokens=max_new, generation_batch_size=2)
-        expect = HFRolloutBackend(model, TOK, cfg).generate(PROMPTS, 3, seed=0, return_logprobs=True)
-        got = ContinuousBatchingBackend(model, TOK, cfg).generate(PROMPTS, 3, seed=5, return_logprobs=True)
+        expect = HFRolloutBackend(model, TOK, cfg).generate(PROMPTS, 3, seed=0)
+        got = ContinuousBatchingBackend(model, TOK, cfg).generate(PROMPTS, 3, seed=5)
         assert as_tuples(got) == as_tuples(expect) and model.training
         ends = {(c.finished, len(c.completion_ids) == max_new) for c in got}
         assert (False, True) in ends  # truncated at the limit
         assert ((True, False) if max_new == 10 else (True, True)) in ends  # eos inside / exactly at the limit
         for a, b in zip(got, expect):
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(a.behavior_logprobs), torch.tensor(b.behavior_logprobs),
+                                       atol=1e-5, rtol=0)
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -150,8 +151,6 @@ def test_reproducible_rng_untouched_state_restored_nothing_leaked():
     assert be.generate([], 3, seed=0) == []
     with pytest.raises(ValueError, match="empty"):
         be.generate([[]], 1, seed=0)
-    with pytest.raises(ValueError, match="return_logprobs"):
-        ContinuousBatchingBackend(model, TOK, rollout(temperature=0.7)).generate(PROMPTS, 1, 0, return_logprobs=True)
 
 
 def test_failure_inside_generation_raises_and_cleans_up():
@@ -211,3 +210,37 @@ def test_make_backend_cb_and_auto():
         ContinuousBatchingBackend(model, TOK, cfg).generate(PROMPTS, 2, seed=3))
     not_hf = AutoRolloutBackend(torch.nn.Linear(2, 2), TOK, cfg)  # no continuous batching: always hf
     assert not_hf.cb is None and not_hf.choose(1, 1) is not_hf.hf
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.3, 5, 0.9)])
+def test_cb_behavior_logprobs_are_the_sampling_distributions(temperature, top_k, top_p):
+    """Continuous batching's behavior log-probs are the sampler's: log of each token's probability after
+    temperature, top-k and top-p, equal to an unpadded forward's (the same definition as the hf backend's)."""
+    from test_models_rollout import processed_logprobs
+
+    model = tiny("qwen2")
+    cs = ContinuousBatchingBackend(model, TOK, rollout(temperature=temperature, top_k=top_k, top_p=top_p)
+                                   ).generate(PROMPTS, 3, seed=2)
+    model.eval()
+    for c in cs:
+        assert len(c.behavior_logprobs) == len(c.completion_ids)
+        want = processed_logprobs(model, c, temperature, top_k, top_p)
+        torch.testing.assert_close(torch.tensor(c.behavior_logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_a_transformers_without_the_config_cb_sets_is_refused_by_name(monkeypatch):
+    """transformers 5.16-5.18 (ContinuousBatchingConfig without page_size or auto_switch_to_flash, and another
+    paged-cache interface): cb refuses at construction naming the version it needs; auto falls back to hf."""
+    import sys
+
+    class Config518:  # transformers 5.18's arguments that dsrl sets: no auto_switch_to_flash
+        def __init__(self, page_size=256, num_blocks=None, max_batch_tokens=None, max_requests_per_batch=None,
+                     return_logprobs=False, seed=None, scheduler_type="fifo", disable_nccl_graph_mixing=True):
+            pass
+
+    model = tiny()  # first: building a model may put a fresh transformers module into sys.modules
+    monkeypatch.setattr(sys.modules["transformers"], "ContinuousBatchingConfig", Config518, raising=False)
+    with pytest.raises(ImportError, match=r"transformers >= 5\.19.*has no auto_switch_to_flash"):
+        ContinuousBatchingBackend(model, TOK, rollout())
+    auto = make_backend(rollout(backend="auto"), model, TOK)
+    assert auto.cb is None and auto.choose(len(PROMPTS), 2) is auto.hf

@@ -9,6 +9,12 @@ def require_megatron() -> None:
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the environment
+        if exc.name == "triton":  # megatron-core >= 0.18 imports it at import time; a CPU-only torch has none
+            raise ImportError(
+                "megatron-core >= 0.18 needs triton to be importable (megatron/core/transformer/moe/paged_stash.py "
+                "imports it unconditionally) and this torch did not bring it (a CPU-only build): pip install triton"
+            ) from exc
         raise ImportError(
-            "dsrl.backends.megatron needs megatron-core (0.16.1). Install it with: pip install 'dsrl[megatron]'"
+            "dsrl.backends.megatron needs megatron-core (0.16.1-0.19.x; 0.17+ needs Python >= 3.12). "
+            "Install it with: pip install 'dsrl[megatron]'"
         ) from exc
