@@ -5,8 +5,9 @@
 
 For each D it spawns D gloo ranks twice, once per path, on the same synthetic rollout: R samples
 with RL-shaped lengths (bench/_common.py ``rl_lengths``, log-normal, max length ``--max_len``), each
-with the payload the trainer moves: token ids (vocabulary 151,936), float32-exact old and reference
-log-probs per completion token, an advantage. Every source generates its R/D samples, then:
+with the payload the trainer moves: token ids (vocabulary 151,936), float32-exact old, reference and
+behavior log-probs per completion token (the last from the rollout backend, ARCHITECTURE §8), an
+advantage and the policy version. Every source generates its R/D samples, then:
 
   all-gather: the data path before issue 11 (:class:`AllGatherRollout`, kept here and nowhere in
       the library): every source's samples are all-gathered to every rank as pickled objects and
@@ -126,17 +127,18 @@ def synthetic_rollout(rollout: int, max_len: int, seed: int) -> tuple[np.ndarray
 
 
 def make_samples(indices: range, lengths: np.ndarray, prompts: np.ndarray, seed: int) -> list[Any]:
-    """Samples ``indices`` of the synthetic rollout, with the trainer's per-token payload."""
+    """Samples ``indices`` of the synthetic rollout, with the trainer's per-token payload: old and reference
+    log-probs, and the rollout backend's behavior log-probs (ARCHITECTURE §8), all float32, and the version."""
     from dsrl.rl.batching import Sample
 
     out = []
     for i in indices:
         rng = np.random.default_rng([seed, i])
         n, p = int(lengths[i]), int(prompts[i])
-        old, ref = (-rng.standard_exponential((2, n - p))).astype(np.float32).tolist()
+        old, ref, behavior = (-rng.standard_exponential((3, n - p))).astype(np.float32).tolist()
         out.append(Sample(tokens=rng.integers(0, VOCAB, n).tolist(), prompt_len=p, group=i // 8,
                           reward=float(rng.random()), advantage=float(rng.standard_normal()),
-                          old_logprobs=old, ref_logprobs=ref))
+                          old_logprobs=old, ref_logprobs=ref, behavior_logprobs=behavior, version=i % 3))
     return out
 
 

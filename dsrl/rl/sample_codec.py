@@ -14,9 +14,9 @@ bit for bit.
   together with the dataclass itself.
 
 Layout: ``uint32 header length | pickled header | the arrays' raw bytes, in header order``. A
-``Sample`` costs 4 bytes per token plus 8 per completion token (old and reference log-probs) plus
-~0.25 kB of header, against ~4 + 18 for a pickled one (3- or 5-byte ints, 9-byte floats):
-measured in bench/datapath.py.
+``Sample`` costs 4 bytes per token plus 12 per completion token (old, reference and behavior
+log-probs; 4 more with off-policy weights or a completion mask) plus ~0.3 kB of header, against
+~4 + 27 for a pickled one (3- or 5-byte ints, 9-byte floats): measured in bench/datapath.py.
 """
 
 from __future__ import annotations
