@@ -44,9 +44,17 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_override_args(rest)
         if args.overwrite:
             overrides["dsrl.run.overwrite"] = True
+        from dsrl.config import load_config
+        from dsrl.rl.roles import GENERATOR, split_world
         from dsrl.rl.trainer import Trainer
 
-        trainer = Trainer(args.ds_config, overrides, resume=args.resume)
+        cfg = load_config(args.ds_config, overrides)
+        role = split_world(cfg.dsrl)  # disaggregated: the job's last rollout.generator_ranks ranks generate
+        if role is not None and role.kind == GENERATOR:
+            from dsrl.rl.generator import GeneratorWorker
+
+            return GeneratorWorker(cfg, role).run()
+        trainer = Trainer(cfg, resume=args.resume, role=role)
         trainer.run()
     except ConfigError as e:
         if not (quiet and getattr(e, "agreed", False)):

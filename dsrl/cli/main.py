@@ -16,7 +16,7 @@ from typing import Any
 
 from dsrl.config import Config, ConfigError, load_config, parse_override_args
 from dsrl.core.errors import RunError
-from dsrl.core.plan import BatchPlan
+from dsrl.core.plan import BatchPlan, trainer_world_size
 
 
 def _dataset_size(cfg: Config, given: int | None) -> int | None:
@@ -47,16 +47,19 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
 
     if world_size <= 0:
         raise ConfigError(f"--world_size {world_size} must be a positive number of ranks")
-    prepared = prepare(cfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
+    trainers = trainer_world_size(cfg, world_size)  # disaggregated: the generator ranks do not train
+    prepared = prepare(cfg, world_size=trainers, dataset_size=dataset_size, on_gpu=on_gpu)
     plan, spec, on_gpu = prepared.plan, prepared.schedule, prepared.on_gpu
     if cfg.dsrl.has_critic:
         from dsrl.rl.critic import prepare_critic
 
-        prepare_critic(cfg, world_size, dataset_size, on_gpu)
+        prepare_critic(cfg, trainers, dataset_size, on_gpu)
     lr = base_lr(cfg)
     first, last = lr_curve(spec, lr if lr is not None else 1.0, [1, plan.total_optimizer_steps])
     extra: dict[str, Any] = {
         "world_size": world_size,
+        "trainer_ranks": trainers,
+        "generator_ranks": world_size - trainers,
         "tensor_parallel_size": tensor_parallel_size(cfg.ds_config),
         "sequence_parallel_size": sequence_parallel_size(cfg.ds_config),
         "accelerator": "gpu" if on_gpu else "cpu",

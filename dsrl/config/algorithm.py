@@ -62,6 +62,10 @@ class AlgorithmConfig(Section):
     overlong_buffer: int = setting(
         0, "soft overlong punishment: length window before max_new_tokens", "tokens", ge=0)
     overlong_penalty: float = setting(1.0, "soft overlong punishment at the limit")
+    max_staleness: int | None = setting(
+        None, "k: a sample generated with policy version v is trained only while the trainer is at version <= v + k "
+              "(version = weight syncs = rollouts trained); unset = 1 with rollout.placement 'disaggregated', 0 "
+              "colocated (where generation is always current)", "versions", ge=0)
     rollout_correction: RolloutCorrectionConfig = setting(RolloutCorrectionConfig, RolloutCorrectionConfig.__doc__)
 
 

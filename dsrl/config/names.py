@@ -77,6 +77,12 @@ RolloutBackendName = Literal["hf", "cb", "auto", "vllm"]
 ROLLOUT_BACKENDS: tuple[str, ...] = get_args(RolloutBackendName)
 HF_BACKEND, CB_BACKEND, AUTO_BACKEND, VLLM_BACKEND = ROLLOUT_BACKENDS
 
+# Where generation runs (ARCHITECTURE §8): every rank generates then trains (colocated), or rollout.generator_ranks
+# ranks only generate and the others only train (disaggregated, asynchronous within algorithm.max_staleness).
+Placement = Literal["colocated", "disaggregated"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+COLOCATED, DISAGGREGATED = PLACEMENTS
+
 # ---------------------------------------------------------------------------- everything else
 TaskName = Literal["reverse", "copy", "add"]  # dsrl.tasks.TASKS holds exactly these
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)

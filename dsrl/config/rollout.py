@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from dsrl.config.names import HF_BACKEND, RolloutBackendName
+from pydantic import model_validator
+
+from dsrl.config.errors import ConfigError
+from dsrl.config.names import COLOCATED, DISAGGREGATED, HF_BACKEND, Placement, RolloutBackendName
 from dsrl.config.section import Section, setting
 
 
@@ -13,6 +16,12 @@ class RolloutConfig(Section):
 
     PATH: ClassVar[str] = "dsrl.rollout"
 
+    placement: Placement = setting(
+        COLOCATED, "colocated: every rank generates, then trains; disaggregated: the last generator_ranks ranks "
+                   "only generate (each with its own copy of the weights, no optimizer state), the others only "
+                   "train, up to algorithm.max_staleness versions apart (docs/async.md)")
+    generator_ranks: int = setting(
+        0, "disaggregated: how many ranks (the job's last ones) generate; 0 when colocated", "ranks", ge=0)
     backend: RolloutBackendName = setting(
         HF_BACKEND, "generation backend: hf (transformers generate), cb (transformers continuous batching), auto "
         "(hf or cb per call, docs/rollout.md), vllm")
@@ -32,3 +41,15 @@ class RolloutConfig(Section):
              "the training state; on the CPU dsrl sizes the KV cache from the workload", gt=0, lt=1)
     logprob_micro_batch_size: int = setting(
         16, "sequences per no-grad log-prob forward on one rank", "sequences", gt=0)
+
+    @model_validator(mode="after")
+    def _generators_with_disaggregation(self) -> RolloutConfig:
+        """`generator_ranks` is at least 1 with `placement` "disaggregated" and 0 with "colocated"."""
+        if self.placement == DISAGGREGATED and self.generator_ranks < 1:
+            raise ConfigError(f"{self.PATH}.placement = 'disaggregated' needs {self.PATH}.generator_ranks >= 1 (the "
+                              "ranks that only generate). Fix: set generator_ranks, e.g. 1.")
+        if self.placement == COLOCATED and self.generator_ranks:
+            raise ConfigError(f"{self.PATH}.generator_ranks = {self.generator_ranks} with placement 'colocated', where "
+                              f"every rank generates. Fix: set {self.PATH}.placement to 'disaggregated', or "
+                              "generator_ranks to 0.")
+        return self

@@ -11,7 +11,14 @@ from dsrl.config.batch import BatchConfig
 from dsrl.config.data import DataConfig
 from dsrl.config.errors import ConfigError
 from dsrl.config.model import ModelConfig
-from dsrl.config.names import ALGORITHM_LOSS_AGG, CRITIC_ALGORITHMS, GROUP_RELATIVE_ALGORITHMS
+from dsrl.config.names import (
+    ALGORITHM_DEFAULTS,
+    ALGORITHM_LOSS_AGG,
+    COLOCATED,
+    CRITIC_ALGORITHMS,
+    DISAGGREGATED,
+    GROUP_RELATIVE_ALGORITHMS,
+)
 from dsrl.config.rollout import RolloutConfig
 from dsrl.config.run import RunConfig, SchedulerConfig
 from dsrl.config.section import Section, setting
@@ -102,6 +109,32 @@ class DsrlConfig(Section):
                 "reward_timeout_s or raise collective_timeout_s."
             )
         return self
+
+    @model_validator(mode="after")
+    def _asynchronous_generation_fits(self) -> DsrlConfig:
+        """With `rollout.placement` "colocated", `algorithm.max_staleness` is unset or 0 (generation always uses
+        the current weights); with "disaggregated", `algorithm.dynamic_sampling` is off (a refill round would
+        make the trainer wait for generation it cannot overlap: dapo turns it on by default)."""
+        r, a = self.rollout, self.algorithm
+        if r.placement == COLOCATED and a.max_staleness:
+            raise ConfigError(f"dsrl.algorithm.max_staleness = {a.max_staleness} with rollout.placement 'colocated', "
+                              "where every rollout is generated with the current weights. Fix: set "
+                              "dsrl.rollout.placement to 'disaggregated' (with rollout.generator_ranks), or "
+                              "max_staleness to 0.")
+        dynamic = ALGORITHM_DEFAULTS[a.name]["dynamic_sampling"] if a.dynamic_sampling is None else a.dynamic_sampling
+        if r.placement == DISAGGREGATED and dynamic:
+            raise ConfigError("dsrl.algorithm.dynamic_sampling is on (dapo's default) with rollout.placement "
+                              "'disaggregated': refilling zero-variance groups needs generation rounds inside a "
+                              "rollout, which generator ranks running ahead do not provide. Fix: set "
+                              "dsrl.algorithm.dynamic_sampling to false, or use placement 'colocated'.")
+        return self
+
+    @property
+    def max_staleness(self) -> int:
+        """k, resolved: the configured one, else 1 when disaggregated and 0 when colocated."""
+        if self.algorithm.max_staleness is not None:
+            return self.algorithm.max_staleness
+        return 1 if self.rollout.placement == DISAGGREGATED else 0
 
     @property
     def loss_agg(self) -> str:

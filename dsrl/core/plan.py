@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsrl.config import DS_BATCH_KEYS, Config, ConfigError, DsrlConfig
+from dsrl.config.names import COLOCATED, DISAGGREGATED
 
 
 def _divisors(n: int) -> list[int]:
@@ -65,6 +66,9 @@ class BatchPlan:
     allow_oversize: bool = False  # token budget: a sequence longer than T is placed alone
     balance_attention_coef: float = 0.0  # token budget: rank cost = tokens + coef * tokens^2 / T
     packing: bool = False  # micro-batches are padding-free packed rows (dsrl.model.packing)
+    placement: str = COLOCATED  # rollout.placement (ARCHITECTURE §8)
+    generator_ranks: int = 0  # ranks that only generate (disaggregated); D counts the trainer ranks only
+    max_staleness: int = 0  # k: a sample of version v is trained while the trainer is at version <= v + k
 
     @property
     def token_budget_mode(self) -> bool:
@@ -89,6 +93,14 @@ class BatchPlan:
                 f"dsrl.batch.prompts_per_rollout = {P} is not a multiple of the data-parallel size D = {D}; "
                 f"every rank generates whole prompt groups. Fix: use a multiple of {D} "
                 f"(e.g. {math.ceil(P / D) * D})."
+            )
+        N = d.rollout.generator_ranks
+        if N and D % N != 0:
+            good = [x for x in _divisors(D)]
+            raise ConfigError(
+                f"dsrl.rollout.generator_ranks = {N} does not divide the trainer side's {D} data-parallel replicas: "
+                f"each generator rank generates the prompts of D/N whole replicas. Fix: choose generator_ranks among "
+                f"{good} (or change the number of trainer ranks)."
             )
         m, T = b.micro_batch_size_per_rank, b.max_tokens_per_micro_batch
         micro_per_step: int | None = None
@@ -171,6 +183,9 @@ class BatchPlan:
             allow_oversize=b.allow_oversize,
             balance_attention_coef=b.balance_attention_coef,
             packing=d.model.packing,
+            placement=d.rollout.placement,
+            generator_ranks=N,
+            max_staleness=d.max_staleness,
         )
 
     def deepspeed_batch_fields(self) -> dict[str, Any]:
@@ -234,8 +249,12 @@ class BatchPlan:
                 f"m = {self.micro_batch_size_per_rank} sequences; {self.micro_batches_per_step} per rank per step"
             )
         pe = "unknown (no dataset size)" if self.prompt_epochs is None else f"{self.prompt_epochs:.4g}"
+        roles = ([("placement", f"disaggregated: {self.generator_ranks} generator rank(s) (the job's last), the "
+                               f"rest train; max staleness k = {self.max_staleness} version(s)")]
+                 if self.placement == DISAGGREGATED else [])
         return [
-            ("data-parallel size D", str(D)),
+            *roles,
+            ("data-parallel size D", str(D) + (" (trainer ranks)" if roles else "")),
             ("prompts per rollout P", str(P)),
             ("samples per prompt G", str(G)),
             ("rollout size R = P*G", str(R)),
@@ -253,3 +272,14 @@ class BatchPlan:
             ("episodes (sequences generated)", str(self.episodes)),
             ("prompt epochs", pe),
         ]
+
+
+def trainer_world_size(cfg: Config | DsrlConfig, world_size: int) -> int:
+    """The ranks that train (the DeepSpeed engine's world): the job's ranks minus ``rollout.generator_ranks``,
+    which must leave at least one."""
+    d = cfg.dsrl if isinstance(cfg, Config) else cfg
+    n = d.rollout.generator_ranks
+    if n >= world_size:
+        raise ConfigError(f"dsrl.rollout.generator_ranks = {n} leaves no trainer among the job's {world_size} rank(s). "
+                          f"Fix: launch more ranks (e.g. --num_gpus {n + 1}) or lower generator_ranks.")
+    return world_size - n

@@ -90,6 +90,12 @@ class RolloutStats:
     is_masked: float = 0.0
     staleness_sum: float = 0.0
     staleness_max: float = 0.0
+    # disaggregated generation (dsrl.rl.remote): trainers' wait for samples and weight publishing, and the
+    # generators' generation and idle (waiting for weights) seconds as their messages reported them
+    wait_s: float = 0.0
+    publish_s: float = 0.0
+    generator_s: float = 0.0
+    generator_idle_s: float = 0.0
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Count the final (kept) samples of this rank."""
@@ -205,7 +211,8 @@ class ExperienceMaker:
             groups[c.prompt_index].append(Sample(
                 tokens=list(c.prompt_ids) + list(c.completion_ids), prompt_len=len(c.prompt_ids),
                 group=indices[c.prompt_index], reward=reward, finished=bool(c.finished), accuracy=acc,
-                behavior_logprobs=c.behavior_logprobs, version=self.version))
+                behavior_logprobs=c.behavior_logprobs,
+                version=self.version if c.version is None else c.version))
         return groups
 
     def _shape_rewards(self, samples: list[Sample]) -> None:
@@ -361,6 +368,9 @@ class ExperienceMaker:
         self.backend.sync_weights()
         self.version = rollout_index
         samples, stats, rounds = self.collect(rollout_index)
+        timing = getattr(self.backend, "take_timing", dict)()
+        stats.wait_s, stats.publish_s = timing.get("wait_s", 0.0), timing.get("publish_s", 0.0)
+        stats.generator_s, stats.generator_idle_s = timing.get("generation_s", 0.0), timing.get("idle_s", 0.0)
         self.score_logprobs(samples)
         self.correct_off_policy(samples, stats)
         if self.critic is not None:

@@ -55,8 +55,10 @@ from dsrl.core.seeds import derived_seed
 from dsrl.rl.batching import Sample
 from dsrl.rl.experience import ExperienceMaker, Rewards
 from dsrl.rl.models import forward_logits
+from dsrl.rl.remote import GenerationStopped
 from dsrl.rl.replica_data import RolloutIndex, my_micro_batches
 from dsrl.rl.reward_contract import all_timed_out
+from dsrl.rl.roles import Role
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
 from dsrl.runtime.stop import StopControl, StopRun
 from dsrl.runtime.watchdog import Watch
@@ -71,7 +73,9 @@ class Trainer:
     """Builds everything from one run file and runs the loop (see the module docstring)."""
 
     def __init__(self, config: str | dict | Config, overrides: dict[str, Any] | None = None,
-                 resume: str | None = None):
+                 resume: str | None = None, role: Role | None = None):
+        """``role``: this rank's :class:`dsrl.rl.roles.Role` in a disaggregated job (made by
+        :func:`dsrl.rl.roles.split_world`, which every rank calls first); None when colocated."""
         from dsrl.rl.data import PromptSampler, PromptSource, load_accuracy_fn, load_prompts, load_reward_fn
         from dsrl.rl.models import build_model, frozen_copy, resolve_dtype
         from dsrl.rl.tokenizer import load_tokenizer
@@ -110,7 +114,7 @@ class Trainer:
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
                             seed=d.run.seed)
         check_free_space(self.run_dir, model, d.run)
-        if d.rollout.backend == VLLM_BACKEND:
+        if d.rollout.backend == VLLM_BACKEND and role is None:  # with generator ranks, they check it themselves
             self._check_vllm(model)
         self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 else None
         self.rl: RLEngine = initialize(model, spec)
@@ -129,9 +133,16 @@ class Trainer:
             from dsrl.rl.critic import Critic
 
             self.critic = Critic.build(critic_spec, tok, seed=d.run.seed)
-        self.backend = make_backend(d.rollout, self.rl.engine, tok, **self._backend_kwargs())
         self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
                                      last_rollout=d.run.last_rollout)
+        self.prompt_source = PromptSource(self.prompts, self.sampler, tok, d.data)
+        self.role = role
+        if role is not None:  # completions come from the generator ranks (dsrl.rl.remote)
+            from dsrl.rl.remote import RemoteRolloutBackend
+
+            self.backend = RemoteRolloutBackend(role, self.rl, d, self.plan, self.prompt_source, self.stop)
+        else:
+            self.backend = make_backend(d.rollout, self.rl.engine, tok, **self._backend_kwargs())
         self.pad_id = tok.pad_token_id
         self.algo = algos.resolve_algorithm(d.algorithm)
         self.output_dir = d.run.output_dir
@@ -139,7 +150,6 @@ class Trainer:
         self.rollout_index = 0
         self.calls = 0  # mini-batches trained (applied or skipped)
         self.watch = Watch(d.run.collective_timeout_s)  # phase ends bounded, missing ranks named (runtime.watchdog)
-        self.prompt_source = PromptSource(self.prompts, self.sampler, tok, d.data)
         self.experience = ExperienceMaker(
             d, self.plan, self.rl, self.backend, tok, self.prompt_source,
             Rewards(reward_fn, load_accuracy_fn(d.data), self.reward_model), self.algo,
@@ -196,7 +206,8 @@ class Trainer:
 
     def save(self) -> None:
         tag = f"rollout{self.rollout_index}"
-        client = {"rollout": self.rollout_index, "calls": self.calls, "sampler": self.sampler.state_dict()}
+        client = {"rollout": self.rollout_index, "calls": self.calls, "sampler": self.sampler.state_dict(),
+                  "version": self.rollout_index}  # the policy version the saved weights are (weight syncs so far)
         rank_state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
         t0 = time.perf_counter()
         with self.watch.phase("save"):
@@ -351,10 +362,17 @@ class Trainer:
         if start >= plan.rollouts and self.rank == 0:
             log.info("%s already holds the finished run (%d rollouts); nothing to do. Use a new "
                      "--dsrl.run.output_dir, or --overwrite to start over.", self.output_dir, plan.rollouts)
+        if self.role is not None:
+            self.backend.begin(self.rollout_index)  # the generators start where this invocation starts
         while self.rollout_index < plan.rollouts:
             self._rollout_calls = self.calls
             self.stop.new_rollout()
-            local, stats, rounds = self.experience.make(self.rollout_index)
+            try:
+                local, stats, rounds = self.experience.make(self.rollout_index)
+            except GenerationStopped as e:
+                self._stop_without_generation(e)
+                self._log_stop(mid_rollout=False)
+                return summary
             log.debug("rank %d rollout %d: %d local samples (%d masked), %d sampling rounds, %.2fs", self.rank,
                       self.rollout_index + 1, len(local), sum(not s.active for s in local), rounds, stats.rollout_s)
             t0 = time.perf_counter()
@@ -391,6 +409,16 @@ class Trainer:
                 break
         self._finished_here = self.rollout_index == plan.rollouts and self.rollout_index > start
         return summary
+
+    def _stop_without_generation(self, e: GenerationStopped) -> None:
+        """The generator ranks are gone (or a stop came while waiting for them): commit the trainer side's state
+        (every rollout trained so far) unless the newest checkpoint already holds it, then end the run."""
+        if latest_complete_tag(self.ckpt_dir) != f"rollout{self.rollout_index}":
+            self.save()
+        if self.rank == 0:
+            log.warning("%s; checkpoint %s", e, os.path.join(self.ckpt_dir, f"rollout{self.rollout_index}"))
+        if not e.requested:
+            raise e
 
     def _log_stop(self, mid_rollout: bool) -> None:
         if self.rank != 0:

@@ -35,6 +35,8 @@ class Completion:
     # log mu(token) per completion token: the log-prob of each token under the distribution the backend sampled it
     # from (temperature, top-k and top-p applied), computed with the backend's own kernels (ARCHITECTURE §8)
     behavior_logprobs: list[float] | None = None
+    # the policy version (weight syncs) of the weights that generated it; None = the trainer's current weights
+    version: int | None = None
 
 
 class RolloutBackend(ABC):

@@ -162,6 +162,11 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "is_masked_frac": _per(stats.is_masked, stats.mismatch_tokens),
         "staleness_mean": _per(stats.staleness_sum, samples),
         "staleness_max": stats.staleness_max,
+        # disaggregated generation (docs/async.md); 0 when colocated
+        "trainer_wait_s": stats.wait_s / world,
+        "publish_s": stats.publish_s / world,
+        "generator_s": stats.generator_s,
+        "generator_idle_frac": _per(stats.generator_idle_s, stats.generator_idle_s + stats.generator_s) or 0.0,
     }
 
 

@@ -1,0 +1,169 @@
+"""The trainer side of disaggregated generation: a rollout backend whose completions come from generator ranks.
+
+:class:`RemoteRolloutBackend` keeps the :mod:`dsrl.rollout.base` contract for the experience maker, which
+therefore runs exactly as in a colocated job (the same prompts per replica, the same scoring, log-probs,
+correction, advantages and data path):
+
+- ``sync_weights()`` at the start of rollout r publishes the trainer's weights as **version r** (the
+  ``state_dict``, gathered once under ZeRO-3: collective among the trainers; trainer 0 sends). The first call
+  of a run, or of a resumed run, first sends the control message (:mod:`dsrl.rl.wire`);
+- ``generate(prompts, G, seed)`` returns this replica's completions of rollout r as its generator sent them,
+  generated with version max(v0, r - k), v0 the version this invocation started from and k
+  ``algorithm.max_staleness``; each completion carries that version. The prompts are checked against the
+  trainer's own: the two sides walk the same prompt stream. A sample older than k versions is never
+  returned (an error: the protocol guarantees it);
+- waiting is bounded: a generator that sent nothing within 0.9 x ``run.collective_timeout_s`` (a hang), or
+  whose connection closed (a death), and a stop request while waiting, are agreed on by every trainer (one
+  small all-gather) and raised as :class:`GenerationStopped` naming the generator's role, rank and host; the
+  trainer then commits a checkpoint of its side and ends;
+- ``close()`` sends the stop message; generators exit when they read it.
+
+With k = 0, every rollout is generated from the weights the trainer holds when it starts that rollout, by the
+same backend, seeds and generation batches as the colocated replica would use, so training is bitwise the
+colocated run with as many ranks as there are trainers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl.config import DsrlConfig
+from dsrl.core.errors import RunError
+from dsrl.core.plan import BatchPlan
+from dsrl.rl.data import PromptSource
+from dsrl.rl.replica_data import is_source
+from dsrl.rl.roles import Role
+from dsrl.rl.wire import SampleReceiver, WeightLayout, WeightSender, send_control
+from dsrl.rollout.base import Completion, RolloutBackend
+from dsrl.rollout.policy import gathered_for_generation, unwrap
+
+
+class GenerationStopped(RunError):
+    """Generation cannot continue: a generator is lost, or a stop was requested while waiting for samples."""
+
+    def __init__(self, message: str, requested: bool):
+        super().__init__(message, agreed=True)
+        self.requested = requested
+
+
+def replica_owner(replica: int, replicas: int, generators: int) -> int:
+    """The generator (0-based) that generates a replica's prompts: contiguous blocks of D/N replicas."""
+    return replica // (replicas // generators)
+
+
+class RemoteRolloutBackend(RolloutBackend):
+    """Completions from generator ranks (module docstring). Built on every trainer rank (collective)."""
+
+    def __init__(self, role: Role, policy: Any, cfg: DsrlConfig, plan: BatchPlan, prompts: PromptSource,
+                 stop: Any = None):
+        self.role, self.policy, self.cfg, self.plan, self.prompts, self.stop = role, policy, cfg, plan, prompts, stop
+        self.module, self.ds_engine = unwrap(policy.engine)
+        view = policy.view
+        self.replica = view.data_parallel_rank
+        self.is_source = is_source(view)
+        pairs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pairs, (self.replica, self.is_source, role.global_rank))
+        self.sources = [rank for _, rank in sorted((r, g) for r, s, g in pairs if s)]  # replica -> its source
+        self.owner = role.generator_global_rank(replica_owner(self.replica, plan.data_parallel_size, role.generators))
+        self.receiver = SampleReceiver(role.bridge, self.owner) if self.is_source else None
+        self.layout = WeightLayout.of(self.module.state_dict()) if role.global_rank == 0 else None
+        self.sender = WeightSender(role.sync, self.layout) if role.global_rank == 0 else None
+        self.start_version: int | None = None
+        self.version: int | None = None  # the version published last (= the rollout being made)
+        self.timing: dict[str, float] = {}
+
+    @property
+    def bound_s(self) -> float:
+        return 0.9 * self.cfg.run.collective_timeout_s
+
+    def begin(self, rollout_index: int) -> None:
+        """Trainer 0 tells the generators where this invocation starts (collective-free)."""
+        self.start_version = rollout_index
+        if self.sender is None:
+            return
+        send_control(self.role.sync, {
+            "rollout": rollout_index, "version": rollout_index, "rollouts": self.plan.rollouts,
+            "max_staleness": self.plan.max_staleness, "sampler": self.prompts.sampler.state_dict(),
+            "sources": self.sources, "layout": self.layout.to_json(),
+        })
+
+    def sync_weights(self) -> None:
+        """Publish the weights as the next version (collective among the trainers under ZeRO-3)."""
+        version = self.start_version if self.version is None else self.version + 1
+        if version is None:
+            raise RuntimeError("RemoteRolloutBackend.begin(rollout) must run before the first sync")
+        t0 = time.perf_counter()
+        with torch.no_grad(), gathered_for_generation(self.module, self.ds_engine):
+            waited = self.sender.send(version, self.module.state_dict(), time.monotonic() + self.bound_s) \
+                if self.sender is not None else 0.0
+        self.version = version
+        self.timing = {"publish_s": time.perf_counter() - t0, "publish_wait_s": waited}
+
+    def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
+        """This replica's completions of the current rollout, as its generator sent them (module docstring)."""
+        t0 = time.perf_counter()
+        status, msg = "ok", None
+        if self.receiver is not None:
+            def requested() -> bool:
+                return self.stop is not None and self.stop.requested_at is not None
+
+            try:
+                msg = self.receiver.receive(time.monotonic() + self.bound_s, requested)
+                if msg is None:
+                    status = "stopped" if requested() else (
+                        f"{self.role.describe(self.owner)} sent no samples for rollout {self.version} within "
+                        f"{self.bound_s:.0f} s (0.9 x dsrl.run.collective_timeout_s): it hangs")
+            except RuntimeError as e:  # the connection closed: the generator died
+                status = (f"{self.role.describe(self.owner)} is gone while rollout {self.version} was expected "
+                          f"({str(e).splitlines()[0][:120]})")
+        statuses: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(statuses, status)
+        problems = [s for s in statuses if s != "ok"]
+        if problems:
+            stopped = all(s == "stopped" for s in problems)
+            text = "a stop was requested while the trainers waited for samples" if stopped else next(
+                s for s in problems if s != "stopped")
+            raise GenerationStopped(text + "; the trainer side commits a checkpoint and stops (resume with --resume "
+                                    "auto once every rank is healthy)", requested=stopped)
+        wait_s = time.perf_counter() - t0
+        self.timing.update(wait_s=wait_s, generation_s=msg.generation_s if msg else 0.0,
+                           idle_s=msg.idle_s if msg else 0.0)
+        if msg is None:
+            return []
+        self._check(msg, prompt_ids, samples_per_prompt)
+        return msg.completions
+
+    def _check(self, msg: Any, prompt_ids: list[list[int]], samples_per_prompt: int) -> None:
+        rollout = self.version
+        k = self.plan.max_staleness
+        if msg.rollout != rollout or msg.replica != self.replica:
+            raise RuntimeError(f"expected rollout {rollout} of replica {self.replica} from "
+                               f"{self.role.describe(self.owner)}, got rollout {msg.rollout} of replica {msg.replica}")
+        if rollout - msg.version > k or msg.version > rollout:
+            raise RuntimeError(f"rollout {rollout} arrived generated with version {msg.version}, outside the staleness "
+                               f"bound k = {k} (dsrl.algorithm.max_staleness)")
+        want = [list(p) for p in prompt_ids for _ in range(samples_per_prompt)]
+        got = [list(c.prompt_ids) for c in msg.completions]
+        if got != want:
+            raise RuntimeError(f"{self.role.describe(self.owner)} generated other prompts than the trainer drew for "
+                               f"rollout {rollout} of replica {self.replica}: the two sides' prompt streams diverged "
+                               "(dsrl.data / dsrl.run.seed must be the same on every rank)")
+
+    def take_timing(self) -> dict[str, float]:
+        out, self.timing = self.timing, {}
+        return out
+
+    def close(self) -> None:
+        """Trainer 0 sends the stop message (generators exit when they read it); errors are ignored (a generator
+        may already be gone)."""
+        if self.sender is None or self.start_version is None:
+            return
+        with contextlib.suppress(Exception):
+            self.sender.send(self.version if self.version is not None else self.start_version, None,
+                             time.monotonic() + 30.0)
+            self.sender.drain(time.monotonic() + 30.0)
