@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.propagate = False
     logger.setLevel(os.environ.get("DSRL_LOG_LEVEL", "INFO").upper())
     quiet = os.environ.get("RANK", "0") != "0"  # an error every rank agreed on is printed by rank 0 only
+    role = None
     try:
         overrides = parse_override_args(rest)
         if args.overwrite:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if role is not None and role.kind == GENERATOR:
             from dsrl.rl.generator import GeneratorWorker
 
-            return GeneratorWorker(cfg, role).run()
+            _leave(GeneratorWorker(cfg, role).run())
         trainer = Trainer(cfg, resume=args.resume, role=role)
         trainer.run()
     except ConfigError as e:
@@ -63,17 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         if not (quiet and e.agreed):
             print(f"dsrl: error: {e}", file=sys.stderr)
-        if isinstance(e, CollectiveTimeout):
-            # A peer is stuck: tearing the process group down would wait for it. Leave now.
-            release_all()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+        if isinstance(e, CollectiveTimeout) or role is not None:
+            # A peer is stuck or gone (a generator, a trainer): tearing the groups down would wait for it. Leave now.
+            _leave(1)
         return 1
     except (InterruptedStartup, KeyboardInterrupt) as e:
         print(f"dsrl: interrupted ({e or 'SIGINT'})", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
+    if role is not None:  # a disaggregated job: receives still posted to gone peers must not block the exit
+        _leave(trainer.stop.exit_code)
     return trainer.stop.exit_code
+
+
+def _leave(code: int) -> None:
+    release_all()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

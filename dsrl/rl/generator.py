@@ -99,8 +99,10 @@ class GeneratorWorker:
         role, d = self.role, self.d
         try:
             control = recv_control(role.sync, self._deadline())
-        except (TimeoutError, RuntimeError) as e:
-            raise self._trainer_gone(f"no start message from trainer 0 within {self.bound_s:g} s", e) from e
+        except TimeoutError as e:
+            raise self._trainer_gone(f"no start message from trainer 0 within {self.bound_s:g} s") from e
+        except RuntimeError as e:  # trainer 0 ended before the run started (a configuration error, see its message)
+            raise self._trainer_gone("trainer 0 ended before the run started", e) from e
         start, v0, last, k = control["rollout"], control["version"], control["rollouts"], control["max_staleness"]
         self.prompts.sampler.load_state_dict(control["sampler"])
         sources: list[int] = control["sources"]

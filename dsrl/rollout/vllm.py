@@ -157,7 +157,7 @@ class VLLMRolloutBackend(RolloutBackend):
         on_cpu = param.device.type == "cpu"
         check_servable(self.module.config, on_cpu)
         dtype = dtype or str(param.dtype).removeprefix("torch.")
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized():  # the trainer's group exists (of any size): vLLM must not start its own
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
         if on_cpu:
             kv_bytes = self._cpu_kv_cache_bytes(max_model_len, param.element_size())
