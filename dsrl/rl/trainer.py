@@ -356,6 +356,7 @@ class Trainer:
                      plan.optimizer_steps_per_rollout, plan.total_optimizer_steps, self.world, self.output_dir)
         summary: dict[str, Any] = {}
         start = self.rollout_index
+        t_loop = time.perf_counter()
         self._finished_here = False
         if start == 0 and self.d.sft.steps and self.rl.optimizer_steps == 0:
             self._supervised_warmup(bar)
@@ -388,7 +389,7 @@ class Trainer:
                                      rollout=self.rollout_index, optimizer_step=self.rl.optimizer_steps,
                                      rollout_size=plan.rollout_size,
                                      prompt_epochs=self.prompt_source.drawn / len(self.prompts), sampling_rounds=rounds,
-                                     local_train_s=stats.train_s)
+                                     local_train_s=stats.train_s, elapsed_s=time.perf_counter() - t_loop)
             if self.critic is not None:
                 summary.update(critic_record(self.critic_results))
             self.metrics.write("rollout", summary, self.rl.optimizer_steps)

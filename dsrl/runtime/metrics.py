@@ -116,7 +116,7 @@ def _token_mean(results: list[dict[str, Any]], key: str) -> float:
 
 def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rollout: int, optimizer_step: int,
                    rollout_size: int, prompt_epochs: float, sampling_rounds: int,
-                   local_train_s: float) -> dict[str, Any]:
+                   local_train_s: float, elapsed_s: float = 0.0) -> dict[str, Any]:
     """The ``rollout`` row of metrics.jsonl from the rollout's summed :class:`dsrl.rl.experience.RolloutStats`
     (already reduced over ranks) and its optimizer steps' results."""
     n = stats.finite_rewards
@@ -154,6 +154,7 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "tokens_per_s": tokens / local_train_s if local_train_s > 0 else 0.0,
         "rollout_s": stats.rollout_s / world,
         "train_s": stats.train_s / world,
+        "elapsed_s": elapsed_s,  # wall time since this invocation's loop started (rank 0)
         # the behavior policy's mismatch over the counted model tokens (ARCHITECTURE §8, dsrl.algos.correction)
         "rollout_logprob_abs_diff": _per(stats.logprob_abs_diff_sum, stats.mismatch_tokens),
         "rollout_kl": _per(stats.rollout_kl_sum, stats.mismatch_tokens),
