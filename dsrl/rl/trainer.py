@@ -58,7 +58,7 @@ from dsrl.rl.models import forward_logits
 from dsrl.rl.remote import GenerationStopped
 from dsrl.rl.replica_data import RolloutIndex, my_micro_batches
 from dsrl.rl.reward_contract import all_timed_out
-from dsrl.rl.roles import Role
+from dsrl.rl.roles import Role, check_layout
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
 from dsrl.runtime.stop import StopControl, StopRun
 from dsrl.runtime.watchdog import Watch
@@ -103,6 +103,7 @@ class Trainer:
         # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
         # ds_config and the schedule made here are the ones the engine is built from.
         spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
+        check_layout(self.cfg)
         critic_spec = None
         if d.has_critic:
             from dsrl.rl.critic import prepare_critic

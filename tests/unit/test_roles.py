@@ -77,3 +77,10 @@ def test_weights_and_completions_cross_bit_for_bit():
           Completion(1, [1], [], False, [], version=None)]
     back = decode_completions(encode_completions(cs))
     assert back == cs and back[0].behavior_logprobs == cs[0].behavior_logprobs
+
+
+def test_autotp_trainers_are_refused_naming_the_fix():
+    raw = json.loads((Path(__file__).parents[2] / "configs" / "tiny_grpo_autotp_cpu.json").read_text())
+    raw["dsrl"]["rollout"].update(placement="disaggregated", generator_ranks=1)
+    with pytest.raises(ConfigError, match=r"placement = 'disaggregated' with tensor_parallel.autotp_size = 2.*Fix"):
+        build_plan_report(load_config(raw), world_size=5, dataset_size=None, on_gpu=False)
