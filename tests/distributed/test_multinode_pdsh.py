@@ -245,6 +245,35 @@ def test_main_job_pdsh_matches_single_node(cluster: Cluster, launch_dir: Path, t
           f"single node {single.wall_s:.1f} s")
 
 
+def test_disaggregated_job_across_two_nodes_matches_colocated(cluster: Cluster, launch_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """rollout.placement = "disaggregated" over pdsh: the trainer on the first node, the generator on the second
+    (k = 0), gives the per-step losses of a colocated single-rank job bit for bit (docs/async.md)."""
+    config = json.loads(MAIN_CONFIG.read_text())
+    config["scheduler"]["params"]["warmup_num_steps"] = 2
+    config["dsrl"]["algorithm"]["max_staleness"] = 0
+    colocated = tmp_path / "colocated.json"
+    colocated.write_text(json.dumps(config))
+    config["dsrl"]["rollout"].update(placement="disaggregated", generator_ranks=1)
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps(config))
+    job = ["--dsrl.run.rollouts", "3", "--dsrl.sft.steps", "2", "--dsrl.batch.prompts_per_rollout", "8",
+           "--dsrl.batch.mini_batch_size", "32"]
+    multi_dir, single_dir = tmp_path / "multi", tmp_path / "single"
+    multi = run_deepspeed(pdsh_args(launch_dir / "hostfile", str(TRAIN), "--ds_config", str(split), *job,
+                                    "--dsrl.run.output_dir", str(multi_dir)),
+                          launch_dir, cluster.env(base_env()), timeout=300, cluster=cluster)
+    assert multi.returncode == 0, multi.tail()
+    for host in HOSTS:
+        assert node_ran(multi, host), f"no successful rank on {host}\n{multi.tail()}"
+    single = run_deepspeed(["--num_gpus", "1", "--master_port", str(free_port_on_hosts()), str(TRAIN), "--ds_config",
+                            str(colocated), *job, "--dsrl.run.output_dir", str(single_dir)], launch_dir, base_env(),
+                           timeout=300)
+    assert single.returncode == 0, single.tail()
+    got, want = step_losses(multi_dir / "metrics.jsonl"), step_losses(single_dir / "metrics.jsonl")
+    assert want and got == want, (got, want)
+
+
 # --------------------------------------------------------------------------------------------
 # c) an unreachable host
 
