@@ -75,6 +75,8 @@ PAD, BOS, EOS = 0, 1, 2  # dsrl's tiny tokenizer
 SHAPES = {
     # dsrl's built-in tiny model (dsrl.rl.models.TINY_DEFAULTS) with a 512-token vocabulary
     "tiny": {"vocab": 512, "tiny": {}},
+    # the same with head size 32 (2 heads, 1 key/value head), which vLLM's CPU attention kernels serve
+    "tiny32": {"vocab": 512, "tiny": dict(num_attention_heads=2, num_key_value_heads=1)},
     # a scaled-up Qwen2 shape that still decodes 128 sequences on 2 CPU cores in seconds (~17 M parameters)
     "scaled": {"vocab": 8192, "tiny": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
                                            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)},
@@ -109,6 +111,38 @@ def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: s
         head.bias[PAD] = head.bias[BOS] = -1e4
     model.lm_head = head.to(next(model.parameters()).dtype)
     return model.to(device).eval()
+
+
+def serve_biased_head(model: Any) -> None:
+    """Make dsrl's vLLM backend sample from :func:`long_tailed_model`'s distribution (benchmarks only).
+
+    vLLM's Qwen2 has no output-head bias, so the head's bias is sent as vLLM's per-request ``logit_bias``
+    instead (the same logits: W h + b) and left out of the weights ``sync_weights`` reloads. Patches
+    :class:`dsrl.rollout.vllm.VLLMRolloutBackend` for this process."""
+    import torch
+
+    from dsrl.rollout import vllm as dsrl_vllm
+
+    bias = model.lm_head.bias.detach().float().cpu()
+    logit_bias = {EOS: float(bias[EOS]), PAD: -100.0, BOS: -100.0}  # vLLM keeps biases within [-100, 100]
+    cls = dsrl_vllm.VLLMRolloutBackend
+
+    def sampling_params(self: Any, samples_per_prompt: int, seed: int) -> Any:
+        cfg = self.cfg
+        return self._vllm.SamplingParams(
+            n=samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k if cfg.top_k > 0 else -1, max_tokens=cfg.max_new_tokens, seed=seed,
+            stop_token_ids=list(self.eos), logprobs=0, detokenize=False, logit_bias=logit_bias)
+
+    def sync_weights(self: Any) -> None:
+        with torch.no_grad(), dsrl_vllm.gathered_for_generation(self.module, self.ds_engine):
+            weights = [(n, t.detach()) for n, t in self.module.state_dict().items() if n != "lm_head.bias"]
+            with dsrl_vllm.preserved_process_state():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.synced = True
+
+    cls._sampling_params, cls.sync_weights = sampling_params, sync_weights
 
 
 def per_token_nll(engine: Any, micro: dict) -> Any:
@@ -192,8 +226,18 @@ def command_line() -> str:
     return f"python {script} {' '.join(sys.argv[1:])}".strip()
 
 
+BENCH_OUT_ENV = "DSRL_BENCH_OUT"  # bench/gpu.py: where report() also writes {"title", "command", "body"} as JSON
+
+
 def report(title: str, body: str, dry_run: bool = False) -> None:
-    """Print ``body`` (``--no-record``) or append it to docs/benchmarks.md with the command that ran."""
+    """Print ``body`` (``--no-record``) or append it to docs/benchmarks.md with the command that ran; also
+    write it as JSON to ``$DSRL_BENCH_OUT`` when set (how bench/gpu.py collects its parts)."""
+    out = os.environ.get(BENCH_OUT_ENV)
+    if out:
+        import json
+
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"title": title, "command": command_line(), "body": body}, f)
     if dry_run:
         print(body)
     else:

@@ -1,0 +1,90 @@
+"""bench/e2e.py's results as tables: per-side summaries of the workers' per-rollout records, the main table
+(seconds per phase, tokens/s, peak memory, TRL/dsrl ratios) and the resident-memory census."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from _common import table
+from _profile import PHASES
+
+SIDE_NAMES = {"dsrl": "dsrl", "trl": "TRL default", "trl-ds": "TRL + DeepSpeed"}
+
+
+def summarize(records: list[dict[str, Any]], w: Any) -> dict[str, float]:
+    """Medians over the rollouts after the first; peak memory is the maximum over all of them."""
+    steady = records[1:] or records
+    med = {k: statistics.median(r[k] for r in steady) for k in ("rollout_s", "generate_s", "logprobs_s")}
+    train = [r["rollout_s"] - r["generate_s"] - r["logprobs_s"] for r in steady]
+    med["train_s"] = statistics.median(train)
+    med["gen_tok_s"] = statistics.median(r["completion_tokens"] / max(r["generate_s"], 1e-9) for r in steady)
+    med["train_tok_s"] = statistics.median(w.epochs_per_rollout * r["sequence_tokens"] / max(t, 1e-9)
+                                           for r, t in zip(steady, train))
+    med["mean_len"] = statistics.mean(r["completion_tokens"] for r in steady) / w.rollout_size
+    med["peak_mb"] = max(r["peak_mb"] for r in records)
+    for p in PHASES:
+        peaks = [r.get(f"peak_{p}_mb") for r in records if r.get(f"peak_{p}_mb") is not None]
+        med[f"peak_{p}_mb"] = max(peaks) if peaks else None
+    med["rollouts"] = len(steady)
+    return med
+
+
+def combine(runs: list[dict[str, Any]], w: Any) -> dict[str, Any]:
+    """One side's runs (process repetitions) -> medians of their summaries, the first census and profile."""
+    done = [r for r in runs if r["records"]]
+    out: dict[str, Any] = {"status": ",".join(sorted({r["status"] for r in runs})), "processes": len(runs),
+                           "seconds": sum(r["seconds"] for r in runs),
+                           "errors": [r["error"] for r in runs if r.get("error")]}
+    if done:
+        sums = [summarize(r["records"], w) for r in done]
+        out["summary"] = {k: (statistics.median(s[k] for s in sums) if sums[0][k] is not None else None)
+                          for k in sums[0]}
+        out["per_process_s"] = [s["rollout_s"] for s in sums]
+    out["census"] = next((r["census"] for r in runs if r.get("census")), None)
+    out["profile"] = next((r["profile"] for r in runs if r.get("profile")), None)
+    return out
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def results_table(results: dict[str, dict[str, Any]], gpu: bool) -> str:
+    """The markdown table of :func:`main`'s results ({backend: {side: combine() or {"skipped": reason}}})."""
+    rows = []
+    for backend, sides in results.items():
+        base = sides.get("dsrl", {}).get("summary")
+        for side, r in sides.items():
+            if "skipped" in r:
+                rows.append([backend, SIDE_NAMES[side], f"skipped: {r['skipped']}"] + [""] * 9)
+                continue
+            s = r.get("summary")
+            if s is None:
+                why = ("ran past its time limit before finishing a rollout" if "timeout" in r["status"]
+                       else f"{r['status']}: {(r['errors'] or [''])[0].strip().splitlines()[-1:]}")
+                rows.append([backend, SIDE_NAMES[side], why] + [""] * 9)
+                continue
+            peaks = ("/".join(_fmt(s[f"peak_{p}_mb"], ",.0f") for p in PHASES) if gpu else "-")
+            vs = ""
+            if side != "dsrl" and base is not None:
+                vs = f"{s['rollout_s'] / base['rollout_s']:.2f} / {base['peak_mb'] / s['peak_mb']:.2f}"
+            note = " (partial)" if r["status"] != "ok" else ""
+            rows.append([backend, SIDE_NAMES[side] + note, f"{s['rollout_s']:.2f}", f"{s['generate_s']:.2f}",
+                         f"{s['logprobs_s']:.2f}", f"{s['train_s']:.2f}", f"{s['gen_tok_s']:,.0f}",
+                         f"{s['train_tok_s']:,.0f}", f"{s['mean_len']:.1f}", f"{s['peak_mb']:,.0f}", peaks, vs])
+    return table(["backend", "trainer", "s/rollout", "generate s", "log-probs s", "train s", "gen tok/s",
+                  "train tok/s", "mean len", "peak MiB", "peak MiB gen/lp/train", "TRL/dsrl time / dsrl/TRL mem"],
+                 rows)
+
+
+def census_table(results: dict[str, dict[str, Any]]) -> str:
+    """Resident memory by role after the first rollout, per backend and side (MiB)."""
+    roles = ["weights", "gradients", "master weights", "optimizer state", "other", "allocated"]
+    rows = []
+    for backend, sides in results.items():
+        for side, r in sides.items():
+            c = r.get("census")
+            if c:
+                rows.append([backend, SIDE_NAMES[side]] + [_fmt(c.get(k), ",.1f") for k in roles])
+    return table(["backend", "trainer", *roles], rows) if rows else ""
