@@ -78,7 +78,7 @@ ROLLOUT_BACKENDS: tuple[str, ...] = get_args(RolloutBackendName)
 HF_BACKEND, CB_BACKEND, AUTO_BACKEND, VLLM_BACKEND = ROLLOUT_BACKENDS
 
 # ---------------------------------------------------------------------------- everything else
-TaskName = Literal["reverse", "copy", "add"]  # dsrl.tasks.TASKS holds exactly these
+TaskName = Literal["reverse", "copy", "add", "calculator"]  # dsrl.tasks.TASKS holds exactly these
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 DEFAULT_TASK: TaskName = "reverse"  # prompts come from it when neither dsrl.data.task nor data.path is set
 TinyArch = Literal["llama", "qwen2"]  # dsrl.rl.models.tiny_config builds exactly these

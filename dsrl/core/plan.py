@@ -65,6 +65,10 @@ class BatchPlan:
     allow_oversize: bool = False  # token budget: a sequence longer than T is placed alone
     balance_attention_coef: float = 0.0  # token budget: rank cost = tokens + coef * tokens^2 / T
     packing: bool = False  # micro-batches are padding-free packed rows (dsrl.model.packing)
+    # Multi-turn trajectories (data.environment, ARCHITECTURE §8): at most max_turns model turns and
+    # max_trajectory_tokens tokens after the prompt per trajectory (one sequence); None without an environment.
+    max_turns: int | None = None
+    max_trajectory_tokens: int | None = None
 
     @property
     def token_budget_mode(self) -> bool:
@@ -171,6 +175,8 @@ class BatchPlan:
             allow_oversize=b.allow_oversize,
             balance_attention_coef=b.balance_attention_coef,
             packing=d.model.packing,
+            max_turns=d.rollout.max_turns if d.multi_turn else None,
+            max_trajectory_tokens=d.rollout.max_trajectory_tokens if d.multi_turn else None,
         )
 
     def deepspeed_batch_fields(self) -> dict[str, Any]:
@@ -251,5 +257,8 @@ class BatchPlan:
                 else "")),
             *([("critic optimizer steps", str(self.critic_optimizer_steps))] if self.critic_optimizer_steps else []),
             ("episodes (sequences generated)", str(self.episodes)),
+            *([("multi-turn trajectories", f"at most {self.max_turns} model turns and {self.max_trajectory_tokens} "
+                                           "tokens after the prompt each (model and observation tokens; one sequence)")]
+              if self.max_turns is not None else []),
             ("prompt epochs", pe),
         ]
