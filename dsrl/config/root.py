@@ -121,10 +121,12 @@ class DsrlConfig(Section):
 
     @model_validator(mode="after")
     def _reward_timeout_below_collective_bound(self) -> DsrlConfig:
-        """`data.reward_timeout_s`, when set, is smaller than `run.collective_timeout_s`: a reward call must give
-        up before the other ranks stop waiting for it."""
+        """`data.reward_timeout_s`, when set and a reward function is called (`data.reward_fn`, or a task's reward
+        without `data.environment`), is smaller than `run.collective_timeout_s`: a reward call must give up before
+        the other ranks stop waiting for it."""
         limit, bound = self.data.reward_timeout_s, self.run.collective_timeout_s
-        if limit is not None and limit >= bound:
+        called = self.data.reward_fn is not None or not self.multi_turn
+        if called and limit is not None and limit >= bound:
             raise ConfigError(
                 f"dsrl.data.reward_timeout_s = {limit} is not below dsrl.run.collective_timeout_s = {bound}: the "
                 "other ranks would end the job before a stuck reward call is given up. Fix: lower "

@@ -132,10 +132,11 @@ class EpisodeRunner:
                 results = self._share(advance)
                 for k, r in zip(active, results):
                     r.apply(trajs[k])
-                left = sum(t.active for t in trajs)
-                more = left
-                if dist.is_initialized() and dist.get_world_size() > 1:  # every rank runs the same turns
-                    more = all_reduce_floats([float(left)], dist.ReduceOp.MAX, self.device)[0]
+            # After the phase's end (whose barrier names a rank stuck in its environment): every rank runs the
+            # same turns.
+            more = left = sum(t.active for t in trajs)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                more = all_reduce_floats([float(left)], dist.ReduceOp.MAX, self.device)[0]
             turn += 1
             if more == 0:
                 return trajs
@@ -273,7 +274,11 @@ def demonstration(env: EnvironmentCaller, tokenizer: Any, encoder: ObservationEn
         raise ConfigError(f"{env.what}: demonstration() returned {_short(turns)} for {where}; it returns the model "
                           "turns of a reference trajectory as a non-empty list of strings. Fix: return that.")
     t = Trajectory(0, list(prompt_ids))
-    episode, _ = env.start(record["prompt"], record.get("answer"), where)
+    episode, late = env.start(record["prompt"], record.get("answer"), where)
+    if late:
+        raise ConfigError(f"{env.what}: the factory ran past dsrl.data.environment_timeout_s for {where}, so the "
+                          "supervised warm-up cannot show it. Fix: make the factory return sooner, or raise "
+                          "environment_timeout_s.")
     eos = stop_ids[0]
     for i, text in enumerate(turns):
         ids = [int(x) for x in tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -281,6 +286,10 @@ def demonstration(env: EnvironmentCaller, tokenizer: Any, encoder: ObservationEn
             ids.append(eos)
         t.add_model_turn(ids, [0.0] * len(ids))
         step = env.step(episode, Turn(tokenizer.decode(ids, skip_special_tokens=True), ids, i, True), where)
+        if step.reward is None:  # every rank must build the same warm-up batches: a lost step cannot be skipped
+            raise ConfigError(f"{env.what}: a step of the demonstration for {where} ran past "
+                              "dsrl.data.environment_timeout_s, so the supervised warm-up cannot show it. Fix: make "
+                              "the environment return sooner, or raise environment_timeout_s.")
         last = i == len(turns) - 1
         if step.done != last:
             raise ConfigError(

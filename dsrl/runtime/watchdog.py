@@ -94,7 +94,7 @@ class Watch:
         if mark is None:
             return None
         phase, stamp = mark.rsplit("@", 1)
-        doing = self._read(f"dsrl/doing/{r}")
+        doing = None if phase.endswith((" end", " done")) else self._read(f"dsrl/doing/{r}")  # at a barrier: idle
         if doing is not None:
             when, what = doing.split("@", 1)
             if float(when) >= float(stamp):  # noted inside its current phase, not left over from an earlier one
