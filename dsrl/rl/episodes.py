@@ -29,6 +29,7 @@ path, token budgets (a trajectory is one sequence), the critic and KL on model t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,15 +50,8 @@ log = logging.getLogger("dsrl.episodes")
 
 
 class _NoWatch:
-    class _Null:
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, *exc: Any) -> None:
-            return None
-
-    def phase(self, name: str) -> Any:
-        return self._Null()
+    def phase(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 @dataclass
