@@ -116,6 +116,8 @@ def test_bounds_cut_trajectories_as_truncated(caplog):
     assert all(t.ended_by == OBSERVATION_OVERFLOW and t.completion_ids == [t.completion_ids[0]] * 5 for t in trajs)
     assert caplog.text.count("the observation for prompt") == 1  # said once per round
     assert "22 tokens, but only 15 of rollout.max_trajectory_tokens = 20 are left" in caplog.text
+    assert "dsrl.data.environment = 'tests:Echo'" in caplog.text and "sample 1 of 2" in caplog.text
+    assert "Fix: raise dsrl.rollout.max_trajectory_tokens" in caplog.text
     for t in trajs:
         assert not t.sample(0, 0.0).finished  # truncated: handled like an overlong completion
 
