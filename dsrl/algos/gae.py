@@ -9,8 +9,10 @@ rewards r_t (the sequence reward on the last token, plus any per-token penalty):
     A_t     = delta_t + gamma * lam * A_{t+1}          (A_T = 0)
     R_t     = A_t + V(s_t)                              (the critic's regression target)
 
-Rows are right-padded: the valid tokens of a row are a prefix (``mask``); padded positions get
-``A = R = 0`` and never leak into a valid position. Computed in float64.
+The valid tokens of a row (``mask``) are the episode's steps in order: a right-padded row's prefix, or the model
+tokens of a multi-turn trajectory, whose observation tokens between them are not steps (ARCHITECTURE §8). An
+invalid position is skipped: the step before it sees the next *valid* token's value and advantage (zero after
+the last one), it gets ``A = R = 0`` itself, and its reward is not used. Computed in float64.
 """
 
 from __future__ import annotations
@@ -34,22 +36,24 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         a = delta + gamma * lam * next_adv
         keep = valid[:, t]
         adv[:, t] = torch.where(keep, a, torch.zeros_like(a))
-        next_value = torch.where(keep, v[:, t], torch.zeros_like(a))
-        next_adv = adv[:, t]
+        next_value = torch.where(keep, v[:, t], next_value)  # skipped positions pass the next step through
+        next_adv = torch.where(keep, a, next_adv)
     returns = torch.where(valid, adv + v, torch.zeros_like(adv))
     return adv, returns
 
 
-def token_rewards(score: list[float], lengths: list[int], penalties: list[list[float]] | None = None) -> torch.Tensor:
-    """Per-token rewards ``[n, max(lengths)]``: ``score[i]`` on the last token of row i, plus ``penalties[i][t]``
-    on every token (e.g. ``-kl_coef * kl_t``); zero elsewhere. A row of length 0 stays all zero."""
+def token_rewards(score: list[float], lengths: list[int], penalties: list[list[float]] | None = None,
+                  ends: list[int] | None = None) -> torch.Tensor:
+    """Per-token rewards ``[n, max(lengths)]``: ``score[i]`` on the last token of row i (or on position
+    ``ends[i]``, e.g. a trajectory's last model token), plus ``penalties[i][t]`` on every token (e.g.
+    ``-kl_coef * kl_t``); zero elsewhere. A row of length 0 stays all zero."""
     width = max(lengths, default=0)
     out = torch.zeros(len(lengths), max(width, 1), dtype=torch.float64)
     for i, n in enumerate(lengths):
         if penalties is not None and n:
             out[i, :n] = torch.tensor(penalties[i][:n], dtype=torch.float64)
         if n:
-            out[i, n - 1] += score[i]
+            out[i, n - 1 if ends is None else ends[i]] += score[i]
     return out
 
 

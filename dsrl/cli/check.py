@@ -20,7 +20,8 @@ parameter (dense and expert parameters alike).
 default), ``gspo`` (the sequence-level clipped ratio of :func:`dsrl.algos.losses.sequence_clipped_policy_loss`)
 or ``value`` (the critic's clipped value loss, :func:`dsrl.algos.losses.clipped_value_loss`, on a tiny
 ``AutoModelForTokenClassification`` value model). Each reference is written from the definition,
-not with dsrl.algos.losses.
+not with dsrl.algos.losses. ``--data multiturn`` makes the sequences multi-turn trajectories (observation spans
+with loss mask 0, empty model turns, a trajectory without model tokens: :mod:`dsrl.cli.check_trajectories`).
 
 The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
 it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
@@ -50,6 +51,7 @@ from dsrl.cli.check_objectives import (
     reference_per_token_loss,
     value_model,
 )
+from dsrl.cli.check_trajectories import trajectory_sequences
 from dsrl.config.names import (
     LOSS_AGG_MODES,
     SEQ_MEAN_TOKEN_MEAN,
@@ -65,8 +67,11 @@ LR = float(2**20)
 LR_FP16 = float(2**10)
 MODELS = ("auto", "tiny", "llama", "qwen2", "mixtral")
 # --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
-# counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp)
-METHODS = ("dsrl", "naive", "world_count")
+# counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp);
+# count_observations (--data multiturn: dsrl's step on samples whose observation tokens are counted, a planted bug)
+METHODS = ("dsrl", "naive", "world_count", "count_observations")
+DATA = ("single", "multiturn")  # --data: one completion per sequence, or multi-turn trajectories
+MASK_KEYS = ("loss_mask", "reference_mask", "planted_mask")
 SPLITS = ("even", "uneven", "pad_rank", "empty")
 # Accepted by --splits but not run by default: token-budget micro-batches from dsrl.core.partition.
 EXTRA_SPLITS = ("token_budget",)
@@ -126,11 +131,20 @@ def model_for(ds_config: dict, requested: str) -> str:
     return "llama" if tensor_parallel_size(ds_config) > 1 else "tiny"
 
 
-def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, torch.Tensor]]:
-    """n variable-length sequences with random loss masks; some fully masked (overlong-filtered)."""
+def make_sequences(n: int, seed: int, empty: bool = False, multiturn: bool = False) -> list[dict[str, torch.Tensor]]:
+    """n variable-length sequences with random loss masks; some fully masked (overlong-filtered). ``multiturn``:
+    multi-turn trajectories instead (:mod:`dsrl.cli.check_trajectories`: observation spans, empty model turns, a
+    trajectory without model tokens), each with its ``reference_mask`` from the definition."""
     g = torch.Generator().manual_seed(seed)
     seqs = []
-    for i in range(n):
+    if multiturn:
+        seqs = trajectory_sequences(n, seed, VOCAB)
+        for s in seqs:
+            if empty:
+                for key in MASK_KEYS:
+                    s[key] = torch.zeros_like(s[key])
+            s["advantages"] = torch.randn((), generator=g) * 2
+    for i in range(0 if multiturn else n):
         length = int(torch.randint(2, MAX_LEN + 1, (1,), generator=g))
         ids = torch.randint(0, VOCAB, (length,), generator=g)
         targets = torch.randint(0, VOCAB, (length,), generator=g)
@@ -155,13 +169,18 @@ def make_sequences(n: int, seed: int, empty: bool = False) -> list[dict[str, tor
     g3 = torch.Generator().manual_seed(seed + 104729)
     for s in seqs:
         s["behavior_logprobs"] = s["old_logprobs"] + 0.6 * torch.randn(s["input_ids"].shape[0], generator=g3)
+        if multiturn:  # as a trajectory's sample carries them: 0.0 at observation tokens (mu is undefined there)
+            observation = (s["planted_mask"] > 0) & (s["reference_mask"] == 0)
+            s["behavior_logprobs"] = torch.where(observation, torch.zeros_like(s["old_logprobs"]),
+                                                 s["behavior_logprobs"])
     return seqs
 
 
 def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence of this micro-batch."""
     t = max(s["input_ids"].shape[0] for s in seqs)
-    out = {k: torch.zeros(len(seqs), t, dtype=torch.long) for k in ("input_ids", "targets", "loss_mask")}
+    longs = ("input_ids", "targets", "loss_mask", *(k for k in ("reference_mask",) if all(k in s for s in seqs)))
+    out = {k: torch.zeros(len(seqs), t, dtype=torch.long) for k in longs}
     out.update({k: torch.zeros(len(seqs), t) for k in _FLOAT_KEYS if all(k in s for s in seqs)})
     for i, s in enumerate(seqs):
         n = s["input_ids"].shape[0]
@@ -192,7 +211,7 @@ def prepare_split(seqs: list[dict], world: int, how: str) -> list[dict]:
     if how != "pad_rank" or world == 1:
         return seqs
     start = _rank_bounds(len(seqs), world, how)[world - 1]
-    return seqs[:start] + [dict(s, loss_mask=torch.zeros_like(s["loss_mask"])) for s in seqs[start:]]
+    return seqs[:start] + [{**s, **{k: torch.zeros_like(s[k]) for k in MASK_KEYS if k in s}} for s in seqs[start:]]
 
 
 def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[list[dict]]:
@@ -228,6 +247,8 @@ def reference_gradient(model: torch.nn.Module, seqs: list[dict], loss_agg: str,
     """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition."""
     ref = copy.deepcopy(model).double()
     batch = collate(seqs)
+    if "reference_mask" in batch:  # multi-turn data: the mask from the definition, not dsrl's
+        batch["loss_mask"] = batch.pop("reference_mask")
     lt = reference_per_token_loss(ref, batch, objective)
     _, mask = reference_correction(batch, objective)
     n_s = mask.sum(-1)
@@ -329,7 +350,7 @@ def _check_config(ds_config: dict, stage: int, loss_agg: str, batch: int) -> dic
 
 
 def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str, seed: int,
-             arch: str = "tiny", objective: str = "policy") -> dict[str, Any]:
+             arch: str = "tiny", objective: str = "policy", data: str = "single") -> dict[str, Any]:
     import dataclasses
 
     import dsrl
@@ -340,8 +361,10 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
     world = dist.get_world_size()
     replicas = data_parallel_size(ds_config, world)  # tensor peers of a replica get the same data
     B = 6 * replicas
-    seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty")), replicas, split)
-    corrected = apply_correction(seqs, objective)  # dsrl's experience-side step; the reference gets ``seqs``
+    seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty"), multiturn=(data == "multiturn")), replicas,
+                         split)
+    mine = [dict(s, loss_mask=s["planted_mask"]) for s in seqs] if method == "count_observations" else seqs
+    corrected = apply_correction(mine, objective)  # dsrl's experience-side step; the reference gets ``seqs``
     torch.manual_seed(seed)
     model = build_model(arch, objective)
     reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
@@ -359,6 +382,8 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
         for name, p in reference.named_parameters():
             p.copy_(before[name])
     micros = [collate(part) for part in split_for_rank(corrected, replicas, replica, split)]
+    for mb in micros:
+        mb.pop("reference_mask", None)  # the reference's, never dsrl's
     dtype = next(engine.module.parameters()).dtype
     dev = engine.device
     micros = [{k: v.to(dev) for k, v in mb.items()} for mb in micros]
@@ -379,7 +404,7 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
     ref = reference_gradient(reference, seqs, loss_agg, MAX_LEN, objective)
     moe = any(is_expert(n) for n in ref)
     return {"stage": stage, "loss_agg": loss_agg, "split": split, "method": method, "world_size": world,
-            "objective": objective,
+            "objective": objective, "data": data,
             "replicas": replicas, "tensor_parallel_size": tensor_parallel_size(cfg), "model": arch,
             "expert_parallel_size": expert_parallel_size(cfg),
             "expert_parallel_layers": sum(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules()),
@@ -413,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--objective", default="policy",
                         help=f"comma list of {', '.join(OBJECTIVES)}: the per-token loss checked (policy = -A log pi; "
                              "gspo = sequence-level clipped ratio; value = the critic's clipped value loss)")
+    parser.add_argument("--data", default="single", choices=DATA,
+                        help="single = one completion per sequence; multiturn = multi-turn trajectories (observation "
+                             "spans with loss mask 0, empty model turns, a trajectory without model tokens)")
     parser.add_argument("--tolerance", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write every case's result to this file (rank 0)")
@@ -445,12 +473,13 @@ def main(argv: list[str] | None = None) -> int:
             for loss_agg in loss_aggs:
                 for split in splits:
                     for method in methods:
-                        res = run_case(raw, stage, loss_agg, split, method, args.seed, arch, objective)
+                        res = run_case(raw, stage, loss_agg, split, method, args.seed, arch, objective, args.data)
                         results.append(res)
                         if method == "dsrl":
                             worst = max(worst, res["error"])
                         if rank == 0:
-                            print(f"{objective:<6} ZeRO-{stage} {loss_agg:<24} {split:<9} ranks={res['world_size']} "
+                            print(f"{objective:<6} {args.data} ZeRO-{stage} {loss_agg:<24} {split:<9} "
+                                  f"ranks={res['world_size']} "
                                   f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
                                   f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
     if rank == 0 and args.json:

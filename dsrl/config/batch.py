@@ -29,7 +29,8 @@ class BatchConfig(Section):
               "varies per step but is equal on every rank)", "tokens", gt=0)
     loss_agg: LossAgg | None = setting(None, "loss aggregation (docs/concepts.md); unset = the algorithm's default")
     loss_agg_norm_length: int | None = setting(
-        None, "L_norm of seq-mean-token-sum-norm (Dr. GRPO); unset = rollout.max_new_tokens", "tokens", gt=0)
+        None, "L_norm of seq-mean-token-sum-norm (Dr. GRPO); unset = rollout.max_new_tokens (with data.environment: "
+              "rollout.max_trajectory_tokens)", "tokens", gt=0)
     allow_oversize: bool = setting(False, "token-budget mode: place a sequence longer than T alone instead of failing")
     balance_attention_coef: float = setting(
         0.0, "token-budget mode: rank-balancing cost = tokens + coef * tokens^2 / T (attention's quadratic share; "

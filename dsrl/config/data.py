@@ -33,6 +33,14 @@ class DataConfig(Section):
     reward_model_weight: float = setting(1.0, "reward = reward_model_weight * score + rule_reward_weight * rule reward")
     rule_reward_weight: float = setting(
         1.0, "weight of the rule reward (reward_fn or the task's); 0 with a task = the reward model alone")
+    environment: str | None = setting(
+        None, "multi-turn rollouts: dotted path 'pkg.module:Factory' (or 'path/to/file.py:Factory') of an "
+              "environment factory, called with (prompt, answer) once per sample; its episode's step(turn) returns "
+              "the next observation, a reward and whether it is done (docs/environments.md); unset = one completion "
+              "per sample")
+    environment_timeout_s: float | None = setting(
+        120.0, "limit on one call of the environment (the factory or one step); a call past it ends its "
+               "trajectory, masks it and counts it in environment_timeouts (null = no limit)", "seconds", gt=0)
     size: int = setting(512, "number of prompts a built-in task generates", "prompts", gt=0)
     max_prompt_tokens: int = setting(64, "prompts are truncated to this many tokens", "tokens", gt=0)
     chat_template: bool = setting(False, "apply the tokenizer's chat template to prompts")
@@ -64,27 +72,30 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        """Prompts come from exactly one source, and a file needs `reward_fn` or `reward_model` (it has no
-        built-in reward)."""
+        """Prompts come from exactly one source, and a file needs `reward_fn`, `reward_model` or `environment` (it
+        has no built-in reward)."""
         if self.task and self.path:
             raise ConfigError(
                 f"{self.PATH}.task = {self.task!r} and {self.PATH}.path = {self.path!r} are both set; prompts come "
                 f"from exactly one source. Fix: set {self.PATH}.task to null to read the file, or remove "
                 f"{self.PATH}.path."
             )
-        if self.path and not self.reward_fn and not self.reward_model:
+        if self.path and not self.reward_fn and not self.reward_model and not self.environment:
             raise ConfigError(
-                f"{self.PATH}.reward_fn and {self.PATH}.reward_model are unset but prompts come from {self.PATH}.path "
-                f"= {self.path!r}, which has no built-in reward. Fix: set {self.PATH}.reward_fn to "
-                "'package.module:function' taking (prompts, completions, answers) and returning one float per "
-                f"completion, or {self.PATH}.reward_model to a local sequence-classification model directory."
+                f"{self.PATH}.reward_fn, {self.PATH}.reward_model and {self.PATH}.environment are unset but prompts "
+                f"come from {self.PATH}.path = {self.path!r}, which has no built-in reward. Fix: set "
+                f"{self.PATH}.reward_fn to 'package.module:function' taking (prompts, completions, answers) and "
+                f"returning one float per completion, {self.PATH}.reward_model to a local sequence-classification "
+                f"model directory, or {self.PATH}.environment to an environment factory whose episodes give rewards."
             )
         return self
 
     @property
     def has_rule_reward(self) -> bool:
-        """Whether a rule reward (``reward_fn`` or the task's) enters the reward with a non-zero weight."""
-        return self.rule_reward_weight != 0 and (self.task is not None or self.reward_fn is not None)
+        """Whether a rule reward (``reward_fn``, the environment's or the task's) enters the reward with a non-zero
+        weight."""
+        return self.rule_reward_weight != 0 and (self.task is not None or self.reward_fn is not None
+                                                 or self.environment is not None)
 
     @model_validator(mode="after")
     def _some_reward(self) -> DataConfig:

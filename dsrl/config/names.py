@@ -84,7 +84,7 @@ PLACEMENTS: tuple[str, ...] = get_args(Placement)
 COLOCATED, DISAGGREGATED = PLACEMENTS
 
 # ---------------------------------------------------------------------------- everything else
-TaskName = Literal["reverse", "copy", "add"]  # dsrl.tasks.TASKS holds exactly these
+TaskName = Literal["reverse", "copy", "add", "calculator"]  # dsrl.tasks.TASKS holds exactly these
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 DEFAULT_TASK: TaskName = "reverse"  # prompts come from it when neither dsrl.data.task nor data.path is set
 TinyArch = Literal["llama", "qwen2"]  # dsrl.rl.models.tiny_config builds exactly these

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from dsrl.config.errors import ConfigError
 from dsrl.config.names import COLOCATED, DISAGGREGATED, HF_BACKEND, Placement, RolloutBackendName
@@ -30,7 +30,18 @@ class RolloutConfig(Section):
         "then attend through a dense mask), varlen (dsrl's packed attention: PyTorch's own flash kernel on a GPU "
         "in bf16/fp16), auto (varlen on the CPU for models >= 1 M parameters or >= 128 concurrent sequences, "
         "as measured; on a GPU in bf16/fp16, not measured there: docs/rollout.md)")
-    max_new_tokens: int = setting(16, "completion length limit", "tokens", gt=0)
+    max_new_tokens: int = setting(
+        16, "completion length limit (with data.environment: per model turn)", "tokens", gt=0)
+    stop_strings: list[str] = setting(
+        list, "strings that end a completion (with data.environment: a model turn) like eos, kept as its last token; "
+              "each must be exactly one token of the tokenizer, e.g. the closing bracket of a tool call")
+    max_turns: int = setting(
+        8, "with data.environment: model turns per trajectory at most; a trajectory the environment has not ended "
+           "after them is truncated (like a completion cut at max_new_tokens)", "turns", gt=0)
+    max_trajectory_tokens: int = setting(
+        1024, "with data.environment: tokens after the prompt (model and observation tokens) per trajectory at "
+              "most; a trajectory that reaches it, or whose next observation would not fit, is truncated",
+        "tokens", gt=0)
     temperature: float = setting(1.0, "sampling temperature", gt=0)
     top_p: float = setting(1.0, "nucleus sampling: keep the smallest token set whose probability reaches top_p",
                            gt=0, le=1)
@@ -53,3 +64,16 @@ class RolloutConfig(Section):
                               f"every rank generates. Fix: set {self.PATH}.placement to 'disaggregated', or "
                               "generator_ranks to 0.")
         return self
+
+    @field_validator("stop_strings")
+    @classmethod
+    def _stop_strings_not_empty(cls, strings: list[str]) -> list[str]:
+        """Every entry of `stop_strings` is a non-empty string, none repeated (that each is one token of the
+        tokenizer is checked when the rollout backend is built)."""
+        for s in strings:
+            if not s:
+                raise ConfigError(f"{cls.PATH}.stop_strings holds an empty string, which can never end a turn. Fix: "
+                                  "remove it.")
+        if len(set(strings)) != len(strings):
+            raise ConfigError(f"{cls.PATH}.stop_strings = {strings!r} repeats an entry. Fix: list each string once.")
+        return strings

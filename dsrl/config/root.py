@@ -74,35 +74,66 @@ class DsrlConfig(Section):
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> DsrlConfig:
-        """`algorithm.overlong_buffer` is shorter than `rollout.max_new_tokens`."""
-        buf, limit = self.algorithm.overlong_buffer, self.rollout.max_new_tokens
+        """`algorithm.overlong_buffer` is shorter than the completion bound: `rollout.max_new_tokens`, with
+        `data.environment` `rollout.max_trajectory_tokens`."""
+        buf, limit = self.algorithm.overlong_buffer, self.max_completion_tokens
+        name = "rollout.max_trajectory_tokens" if self.multi_turn else "rollout.max_new_tokens"
         if buf >= limit:
             raise ConfigError(
-                f"dsrl.algorithm.overlong_buffer = {buf} must be in [0, rollout.max_new_tokens = {limit}). "
-                "Fix: lower overlong_buffer or raise dsrl.rollout.max_new_tokens."
+                f"dsrl.algorithm.overlong_buffer = {buf} must be in [0, {name} = {limit}). "
+                f"Fix: lower overlong_buffer or raise dsrl.{name}."
             )
+        return self
+
+    @model_validator(mode="after")
+    def _turn_bounds_need_an_environment(self) -> DsrlConfig:
+        """`rollout.max_turns` and `rollout.max_trajectory_tokens` keep their defaults unless `data.environment` is
+        set (without one every sample is a single completion and they would do nothing)."""
+        fields = type(self.rollout).model_fields
+        keys = [k for k in ("max_trajectory_tokens", "max_turns") if getattr(self.rollout, k) != fields[k].default]
+        if keys and not self.multi_turn:
+            raise ConfigError(
+                f"dsrl.rollout.{' and dsrl.rollout.'.join(keys)} bound multi-turn trajectories, but dsrl.data."
+                "environment is unset, so every sample is one completion (bounded by rollout.max_new_tokens). Fix: "
+                "set dsrl.data.environment, or remove them.")
+        return self
+
+    @model_validator(mode="after")
+    def _environment_timeout_below_collective_bound(self) -> DsrlConfig:
+        """`data.environment_timeout_s`, when set with an environment, is smaller than `run.collective_timeout_s`:
+        a stuck environment call must give up before the other ranks stop waiting for it."""
+        limit, bound = self.data.environment_timeout_s, self.run.collective_timeout_s
+        if self.multi_turn and limit is not None and limit >= bound:
+            raise ConfigError(
+                f"dsrl.data.environment_timeout_s = {limit} is not below dsrl.run.collective_timeout_s = {bound}: the "
+                "other ranks would end the job before a stuck environment call is given up. Fix: lower "
+                "environment_timeout_s or raise collective_timeout_s.")
         return self
 
     @model_validator(mode="after")
     def _token_budget_fits_a_sequence(self) -> DsrlConfig:
         """In token-budget mode `batch.max_tokens_per_micro_batch` holds the longest possible sequence
-        (`data.max_prompt_tokens` + `rollout.max_new_tokens`), unless `batch.allow_oversize`."""
+        (`data.max_prompt_tokens` + `rollout.max_new_tokens`, with `data.environment` + `rollout.max_trajectory_tokens`
+        instead: a trajectory is one sequence), unless `batch.allow_oversize`."""
         T, b = self.batch.max_tokens_per_micro_batch, self.batch
-        max_len = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        max_len = self.data.max_prompt_tokens + self.max_completion_tokens
+        bound = "rollout.max_trajectory_tokens" if self.multi_turn else "rollout.max_new_tokens"
         if T is not None and T < max_len and not b.allow_oversize:
             raise ConfigError(
                 f"dsrl.batch.max_tokens_per_micro_batch T = {T} is smaller than the longest possible sequence "
-                f"(data.max_prompt_tokens + rollout.max_new_tokens = {max_len}). Fix: raise T to >= {max_len} "
+                f"(data.max_prompt_tokens + {bound} = {max_len}). Fix: raise T to >= {max_len} "
                 "or set dsrl.batch.allow_oversize = true to place such sequences alone."
             )
         return self
 
     @model_validator(mode="after")
     def _reward_timeout_below_collective_bound(self) -> DsrlConfig:
-        """`data.reward_timeout_s`, when set, is smaller than `run.collective_timeout_s`: a reward call must give
-        up before the other ranks stop waiting for it."""
+        """`data.reward_timeout_s`, when set and a reward function is called (`data.reward_fn`, or a task's reward
+        without `data.environment`), is smaller than `run.collective_timeout_s`: a reward call must give up before
+        the other ranks stop waiting for it."""
         limit, bound = self.data.reward_timeout_s, self.run.collective_timeout_s
-        if limit is not None and limit >= bound:
+        called = self.data.reward_fn is not None or not self.multi_turn
+        if called and limit is not None and limit >= bound:
             raise ConfigError(
                 f"dsrl.data.reward_timeout_s = {limit} is not below dsrl.run.collective_timeout_s = {bound}: the "
                 "other ranks would end the job before a stuck reward call is given up. Fix: lower "
@@ -114,13 +145,18 @@ class DsrlConfig(Section):
     def _asynchronous_generation_fits(self) -> DsrlConfig:
         """With `rollout.placement` "colocated", `algorithm.max_staleness` is unset or 0 (generation always uses
         the current weights); with "disaggregated", `algorithm.dynamic_sampling` is off (a refill round would
-        make the trainer wait for generation it cannot overlap: dapo turns it on by default)."""
+        make the trainer wait for generation it cannot overlap: dapo turns it on by default) and `data.environment`
+        is unset (multi-turn generation runs where the environment runs)."""
         r, a = self.rollout, self.algorithm
         if r.placement == COLOCATED and a.max_staleness:
             raise ConfigError(f"dsrl.algorithm.max_staleness = {a.max_staleness} with rollout.placement 'colocated', "
                               "where every rollout is generated with the current weights. Fix: set "
                               "dsrl.rollout.placement to 'disaggregated' (with rollout.generator_ranks), or "
                               "max_staleness to 0.")
+        if r.placement == DISAGGREGATED and self.data.environment:
+            raise ConfigError("dsrl.data.environment (multi-turn rollouts) with rollout.placement 'disaggregated': the "
+                              "generator ranks produce single completions; turn-by-turn generation runs where the "
+                              "environment runs. Fix: use placement 'colocated' for multi-turn runs.")
         dynamic = ALGORITHM_DEFAULTS[a.name]["dynamic_sampling"] if a.dynamic_sampling is None else a.dynamic_sampling
         if r.placement == DISAGGREGATED and dynamic:
             raise ConfigError("dsrl.algorithm.dynamic_sampling is on (dapo's default) with rollout.placement "
@@ -149,4 +185,23 @@ class DsrlConfig(Section):
     @property
     def loss_agg_norm_length(self) -> int:
         """L_norm for seq-mean-token-sum-norm (a constant, never the batch's padded length)."""
-        return self.batch.loss_agg_norm_length or self.rollout.max_new_tokens
+        return self.batch.loss_agg_norm_length or self.max_completion_tokens
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether samples are multi-turn trajectories (``data.environment`` is set; dsrl.rl.episodes)."""
+        return self.data.environment is not None
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """The most tokens after the prompt one sample holds: ``rollout.max_new_tokens``, or with an environment
+        ``rollout.max_trajectory_tokens`` (model and observation tokens together)."""
+        return self.rollout.max_trajectory_tokens if self.multi_turn else self.rollout.max_new_tokens
+
+    @property
+    def max_generation_tokens(self) -> int:
+        """The longest sequence one generate call may hold (a vLLM engine's max_model_len): the prompt bound plus
+        ``max_completion_tokens``; with an environment plus one more turn, since a trajectory's last turn is
+        generated whole and then cut at ``rollout.max_trajectory_tokens``."""
+        extra = self.rollout.max_new_tokens if self.multi_turn else 0
+        return self.data.max_prompt_tokens + self.max_completion_tokens + extra

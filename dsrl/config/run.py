@@ -47,6 +47,10 @@ class RunConfig(Section):
         1800.0, "a rank that has not reached a collective (or the end of a phase: generation, reward, step, save) "
                 "this long after the first rank ends the job with a message naming the phase and the rank",
         "seconds", gt=0)
+    wait_report_s: float = setting(
+        30.0, "a rank waiting at the end of a phase for another says, every this many seconds until "
+              "collective_timeout_s, which rank it waits for, what that rank is doing (e.g. the sample its reward "
+              "function or environment is working on) and for how long", "seconds", gt=0)
     stop_grace_s: float = setting(
         25.0, "after SIGTERM/SIGINT or the death of the launcher: finish the rollout and checkpoint if that fits "
               "in this time, else stop at the next mini-batch boundary; a rank still running after it exits",

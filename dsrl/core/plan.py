@@ -69,6 +69,10 @@ class BatchPlan:
     placement: str = COLOCATED  # rollout.placement (ARCHITECTURE §8)
     generator_ranks: int = 0  # ranks that only generate (disaggregated); D counts the trainer ranks only
     max_staleness: int = 0  # k: a sample of version v is trained while the trainer is at version <= v + k
+    # Multi-turn trajectories (data.environment, ARCHITECTURE §8): at most max_turns model turns and
+    # max_trajectory_tokens tokens after the prompt per trajectory (one sequence); None without an environment.
+    max_turns: int | None = None
+    max_trajectory_tokens: int | None = None
 
     @property
     def token_budget_mode(self) -> bool:
@@ -186,6 +190,8 @@ class BatchPlan:
             placement=d.rollout.placement,
             generator_ranks=N,
             max_staleness=d.max_staleness,
+            max_turns=d.rollout.max_turns if d.multi_turn else None,
+            max_trajectory_tokens=d.rollout.max_trajectory_tokens if d.multi_turn else None,
         )
 
     def deepspeed_batch_fields(self) -> dict[str, Any]:
@@ -270,6 +276,9 @@ class BatchPlan:
                 else "")),
             *([("critic optimizer steps", str(self.critic_optimizer_steps))] if self.critic_optimizer_steps else []),
             ("episodes (sequences generated)", str(self.episodes)),
+            *([("multi-turn trajectories", f"at most {self.max_turns} model turns and {self.max_trajectory_tokens} "
+                                           "tokens after the prompt each (model and observation tokens; one sequence)")]
+              if self.max_turns is not None else []),
             ("prompt epochs", pe),
         ]
 

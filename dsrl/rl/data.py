@@ -167,12 +167,15 @@ def as_batched(fn: Callable[..., Any], field_name: str = "dsrl.data.reward_fn", 
     return RewardCaller(fn, _is_per_sample(fn), field_name, spec=spec, timeout_s=timeout_s)
 
 
-def load_reward_fn(data_cfg: DataConfig) -> RewardFn:
-    """The run's reward: ``data.reward_fn`` when set, else the built-in task's partial-credit reward."""
+def load_reward_fn(data_cfg: DataConfig) -> RewardFn | None:
+    """The run's reward function: ``data.reward_fn`` when set; else, without an environment, the built-in task's
+    partial-credit reward; else None (an environment's episodes give the rule reward, :mod:`dsrl.rl.episodes`)."""
     if data_cfg.reward_fn:
         return as_batched(import_object(data_cfg.reward_fn), spec=data_cfg.reward_fn,
                           timeout_s=data_cfg.reward_timeout_s)
-    from dsrl.tasks import get_task  # no reward_fn: DataConfig guarantees a built-in task
+    if data_cfg.environment:
+        return None
+    from dsrl.tasks import get_task  # no reward_fn, no environment: DataConfig guarantees a built-in task
 
     return as_batched(get_task(data_cfg.task).rewards, timeout_s=data_cfg.reward_timeout_s)
 

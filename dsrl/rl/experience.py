@@ -47,8 +47,10 @@ from dsrl.core.plan import BatchPlan
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.batching import Sample, chunks, collate, completion_positions
 from dsrl.rl.data import PromptSource
+from dsrl.rl.episodes import generate_trajectory_groups
 from dsrl.rl.models import forward_logits
 from dsrl.rl.replica_data import is_source, share_with_tensor_peers
+from dsrl.rl.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, model_mask
 from dsrl.rollout.base import RolloutBackend
 
 
@@ -96,6 +98,17 @@ class RolloutStats:
     publish_s: float = 0.0
     generator_s: float = 0.0
     generator_idle_s: float = 0.0
+    # Multi-turn trajectories (dsrl.rl.episodes): their count, model turns, tool calls, observation tokens, seconds
+    # in the environment, and why they were cut (completion_tokens counts model tokens only).
+    trajectories: float = 0.0
+    turns: float = 0.0
+    tool_calls: float = 0.0
+    observation_tokens: float = 0.0
+    environment_s: float = 0.0
+    environment_timeouts: float = 0.0
+    observation_overflows: float = 0.0
+    turn_limit_cuts: float = 0.0
+    token_limit_cuts: float = 0.0
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Count the final (kept) samples of this rank."""
@@ -107,9 +120,19 @@ class RolloutStats:
         self.reward_sq_sum += sum(r * r for r in finite)
         self.scored_accuracy += len(accs)
         self.accuracy_sum += sum(accs)
-        self.completion_tokens += sum(s.completion_len for s in samples)
+        self.completion_tokens += sum(s.model_tokens for s in samples)
         self.masked_samples += sum(not s.active for s in samples)
         self.truncated_samples += sum(not s.finished for s in samples)
+        trajs = [s for s in samples if s.turn_mask is not None]
+        self.trajectories += len(trajs)
+        self.turns += sum(s.turns for s in trajs)
+        self.tool_calls += sum(s.tool_calls for s in trajs)
+        self.observation_tokens += sum(s.observation_tokens for s in trajs)
+        self.environment_s += sum(s.environment_s for s in trajs)
+        self.environment_timeouts += sum(s.ended_by == TIMEOUT for s in trajs)
+        self.observation_overflows += sum(s.ended_by == OBSERVATION_OVERFLOW for s in trajs)
+        self.turn_limit_cuts += sum(s.ended_by == MAX_TURNS for s in trajs)
+        self.token_limit_cuts += sum(s.ended_by == MAX_TOKENS for s in trajs)
 
     def add_staleness(self, samples: list[Sample], trainer_version: int) -> None:
         """How many versions behind the trainer's weights each sample's generating weights were."""
@@ -137,11 +160,13 @@ class RolloutStats:
 @dataclass
 class Rewards:
     """What scores a rollout's completions: the rule reward (a task's or ``data.reward_fn``, already guarded by
-    :mod:`dsrl.rl.reward_contract`), the accuracy metric, and a learned reward model; each may be None."""
+    :mod:`dsrl.rl.reward_contract`), the accuracy metric, a learned reward model, and an environment (its episodes'
+    rewards, :mod:`dsrl.rl.environment`); each may be None."""
 
     reward_fn: Callable[..., list[float]] | None = None
     accuracy_fn: Callable[..., list[Any]] | None = None
     model: Any = None  # dsrl.rl.reward_model.RewardModel
+    environment: Any = None  # dsrl.rl.environment.EnvironmentCaller: samples are multi-turn trajectories
 
 
 class ExperienceMaker:
@@ -176,6 +201,8 @@ class ExperienceMaker:
         return idx[self.replica * per:(self.replica + 1) * per]
 
     def _generate_groups(self, indices: list[int], seed: int) -> list[list[Sample]]:
+        if self.rewards.environment is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes)
+            return generate_trajectory_groups(self, indices, seed)
         records, prompt_ids = self.prompts.encode(indices)
         with self.watch.phase("generation"):
             # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
@@ -220,7 +247,7 @@ class ExperienceMaker:
         a = self.d.algorithm
         if a.overlong_buffer > 0:
             lengths = torch.tensor([s.completion_len for s in samples], dtype=torch.float64)
-            pen = algos.overlong_shaping(lengths, self.d.rollout.max_new_tokens, a.overlong_buffer,
+            pen = algos.overlong_shaping(lengths, self.d.max_completion_tokens, a.overlong_buffer,
                                          a.overlong_penalty)
             for s, p in zip(samples, pen.tolist()):
                 s.reward += p
@@ -294,9 +321,9 @@ class ExperienceMaker:
                     s.ref_logprobs = row[sl].tolist()
         if self.d.algorithm.kl_in == "reward" and self.critic is None:  # with a critic: per token, in gae_advantages
             coef = self.d.algorithm.kl_coef
-            for s in samples:
-                kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1").sum().item()
-                s.reward -= coef * kl
+            for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)
+                kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1")
+                s.reward -= coef * float((kl * torch.tensor(model_mask(s), dtype=kl.dtype)).sum())
 
     def correct_off_policy(self, samples: list[Sample], stats: RolloutStats) -> None:
         """The off-policy correction of each sample from its proximal (old) and behavior log-probs
@@ -331,19 +358,23 @@ class ExperienceMaker:
     def gae_advantages(self, samples: list[Sample]) -> None:
         """Per-token advantages and returns by GAE from the critic's rollout values (:mod:`dsrl.algos.gae`),
         whitened over the valid tokens of the whole rollout when ``normalize_std`` (one all-reduce; tensor
-        peers count once). Masked samples get zero advantages."""
+        peers count once). Masked samples get zero advantages. In a multi-turn trajectory only model tokens are
+        steps of the episode: observation tokens are skipped (their values and KL are not used, they get zero
+        advantage and return) and the reward sits on the last model token."""
         a = self.d.algorithm
         lengths = [len(s.values) if s.active else 0 for s in samples]
         penalties = None
         if self.ref_model is not None and a.kl_in == "reward":
             penalties = [(-a.kl_coef * kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs),
                                                    "k1")).tolist() for s in samples]
-        rewards = algos.token_rewards([s.reward if s.active else 0.0 for s in samples], lengths, penalties)
-        width = rewards.shape[1]
+        models = [model_mask(s) for s in samples]
+        ends = [max((t for t, m in enumerate(mm[:n]) if m), default=n - 1) for mm, n in zip(models, lengths)]
+        rewards = algos.token_rewards([s.reward if s.active else 0.0 for s in samples], lengths, penalties, ends)
         values = torch.zeros_like(rewards)
+        mask = torch.zeros_like(rewards, dtype=torch.bool)
         for i, s in enumerate(samples):
             values[i, :lengths[i]] = torch.tensor(s.values[:lengths[i]], dtype=torch.float64)
-        mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+            mask[i, :lengths[i]] = torch.tensor(models[i][:lengths[i]], dtype=torch.bool)
         adv, returns = algos.gae(rewards, values, mask, a.gamma, a.lam)
         if self.algo.normalize_std:
             counted = float(is_source(self.view))

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dsrl.config import ConfigError
+from dsrl.runtime.watchdog import note
 
 log = logging.getLogger("dsrl.reward")
 
@@ -98,7 +99,9 @@ class RewardCaller:
         return n
 
     def _call(self, args: tuple, where: str) -> tuple[Any, bool]:
-        """``(result, timed_out)`` of one call under the time limit."""
+        """``(result, timed_out)`` of one call under the time limit (what it calls and for which sample is noted
+        first, for the reports of ranks that wait for this one: :mod:`dsrl.runtime.watchdog`)."""
+        note(f"calling {self.what} for {where}")
         try:
             with time_limit(self.timeout_s) as fired:
                 result = self.fn(*args)
@@ -124,7 +127,8 @@ class RewardCaller:
                 value, late = self._call(args, f"sample {i} (completion {_short(args[1])})")
                 out.append(float("nan") if late else value)
         else:
-            result, late = self._call((prompts, completions, answers), f"a batch of {n} samples")
+            first = f" (first completion {_short(completions[0])})" if n else ""
+            result, late = self._call((prompts, completions, answers), f"a batch of {n} samples{first}")
             if late:
                 return [float("nan")] * n
             try:
@@ -150,10 +154,12 @@ class RewardCaller:
         return values
 
 
-def all_timed_out(timeouts: float, rollout_size: int) -> str | None:
-    """A sentence when a rollout's worth of samples timed out in one rollout (the run should stop)."""
+def all_timed_out(timeouts: float, rollout_size: int, what: str = "reward") -> str | None:
+    """A sentence when a rollout's worth of samples timed out in one rollout (the run should stop); ``what`` is
+    "reward" (``data.reward_fn``) or "environment" (``data.environment``)."""
     if rollout_size > 0 and timeouts >= rollout_size:
-        return (f"{int(timeouts)} reward calls of this rollout (at least all {rollout_size} samples of a rollout) ran "
-                "past dsrl.data.reward_timeout_s: the reward function is not working, so nothing can be learned. "
-                "Fix it (or raise reward_timeout_s) and continue with --resume auto.")
+        name = "reward function" if what == "reward" else "environment"
+        return (f"{int(timeouts)} {what} calls of this rollout (at least all {rollout_size} samples of a rollout) ran "
+                f"past dsrl.data.{what}_timeout_s: the {name} is not working, so nothing can be learned. "
+                f"Fix it (or raise {what}_timeout_s) and continue with --resume auto.")
     return None

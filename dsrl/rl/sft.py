@@ -15,6 +15,10 @@ answer + eos) sequences, with the per-token loss ``-log pi(answer token)``:
 - only prompts whose answer is a string qualify (built-in tasks, or a prompts file's ``answer_key``
   column); the answer is tokenized without special tokens, followed by eos, and cut at
   ``rollout.max_new_tokens`` like a completion;
+- with an environment (``data.environment``) a sequence is the prompt's reference *trajectory* instead
+  (:func:`dsrl.rl.episodes.demonstration`: the factory's ``demonstration(prompt, answer)`` turns, stepped through
+  a fresh episode): the model learns its own turns, the observations between them are shown but masked (loss
+  mask 0), and it is cut at ``rollout.max_trajectory_tokens``; built when first drawn, then kept;
 - it runs once: a resumed run (which always resumes after a rollout) skips it.
 """
 
@@ -51,15 +55,45 @@ class SupervisedWarmup:
                 "built-in task, or set dsrl.sft.steps to 0."
             )
         records, prompt_ids = prompts.encode(pool)
+        self._trajectories: dict[int, Sample] = {}
+        self._demo: Callable[[int], Sample] | None = None
+        if cfg.data.environment:
+            self._demo = self._demonstrations(tokenizer, pool, records, prompt_ids)
+            self.pairs = pool  # drawn by index; each trajectory is built when first drawn
+            return
         answers = tokenizer([r["answer"] for r in records], add_special_tokens=False)["input_ids"]
         limit = cfg.rollout.max_new_tokens
         eos = tokenizer.eos_token_id
         self.pairs = [(list(p), (list(a) + [eos])[:limit]) for p, a in zip(prompt_ids, answers)]
 
+    def _demonstrations(self, tokenizer: Any, pool: list[int], records: list[dict],
+                        prompt_ids: list[list[int]]) -> Callable[[int], Sample]:
+        """``i -> the reference trajectory of pool entry i`` as a sample (module docstring)."""
+        from dsrl.rl.environment import ObservationEncoder, load_environment
+        from dsrl.rl.episodes import demonstration
+        from dsrl.rollout.base import stop_token_ids
+
+        d = self.d
+        env = load_environment(d.data)
+        encoder = ObservationEncoder(tokenizer, d.data.chat_template)
+        stops = stop_token_ids(tokenizer, None, d.rollout)
+
+        def make(i: int) -> Sample:
+            t = demonstration(env, tokenizer, encoder, stops, records[i], prompt_ids[i],
+                              d.rollout.max_trajectory_tokens, label=pool[i])
+            return t.sample(group=-1, reward=0.0)
+
+        return make
+
     def samples(self, step: int) -> list[Sample]:
         """The mini-batch of step ``step`` (0-based): B (prompt, answer) sequences, the same on every rank."""
         rng = random.Random(f"dsrl-sft:{self.d.run.seed}:{step}")
         picks = [rng.randrange(len(self.pairs)) for _ in range(self.plan.mini_batch_size)]
+        if self._demo is not None:
+            for i in picks:
+                if i not in self._trajectories:
+                    self._trajectories[i] = self._demo(i)
+            return [self._trajectories[i] for i in picks]
         return [Sample(tokens=self.pairs[i][0] + self.pairs[i][1], prompt_len=len(self.pairs[i][0]), group=-1,
                        reward=0.0) for i in picks]
 

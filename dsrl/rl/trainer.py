@@ -77,6 +77,7 @@ class Trainer:
         """``role``: this rank's :class:`dsrl.rl.roles.Role` in a disaggregated job (made by
         :func:`dsrl.rl.roles.split_world`, which every rank calls first); None when colocated."""
         from dsrl.rl.data import PromptSampler, PromptSource, load_accuracy_fn, load_prompts, load_reward_fn
+        from dsrl.rl.environment import load_environment
         from dsrl.rl.models import build_model, frozen_copy, resolve_dtype
         from dsrl.rl.tokenizer import load_tokenizer
         from dsrl.rollout import make_backend
@@ -98,6 +99,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(d.model)
         self.prompts = load_prompts(d.data, seed=d.run.seed)
         reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
+        environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes), or None
         tok = self.tokenizer
         _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
         # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
@@ -150,10 +152,11 @@ class Trainer:
         self.ckpt_dir = os.path.join(self.output_dir, CHECKPOINT_SUBDIR)
         self.rollout_index = 0
         self.calls = 0  # mini-batches trained (applied or skipped)
-        self.watch = Watch(d.run.collective_timeout_s)  # phase ends bounded, missing ranks named (runtime.watchdog)
+        # phase ends bounded, missing ranks named, waits reported (runtime.watchdog)
+        self.watch = Watch(d.run.collective_timeout_s, d.run.wait_report_s)
         self.experience = ExperienceMaker(
             d, self.plan, self.rl, self.backend, tok, self.prompt_source,
-            Rewards(reward_fn, load_accuracy_fn(d.data), self.reward_model), self.algo,
+            Rewards(reward_fn, load_accuracy_fn(d.data), self.reward_model, environment), self.algo,
             ref_model=self.ref_model, critic=self.critic, watch=self.watch)
         self.resume_notice: str | None = None  # set by an elastic resume (another world size)
         resumed = self._maybe_resume()
@@ -180,7 +183,7 @@ class Trainer:
         d = self.d
         if d.rollout.backend != VLLM_BACKEND:
             return {}
-        return {"max_model_len": d.data.max_prompt_tokens + d.rollout.max_new_tokens,
+        return {"max_model_len": d.max_generation_tokens,
                 "samples_per_prompt": self.plan.samples_per_prompt, "seed": d.run.seed}
 
     # -- resume ---------------------------------------------------------------------------------
@@ -395,6 +398,8 @@ class Trainer:
                 summary.update(critic_record(self.critic_results))
             self.metrics.write("rollout", summary, self.rl.optimizer_steps)
             if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
+                raise RunError(problem, agreed=True)
+            if problem := all_timed_out(summary.get("environment_timeouts") or 0, plan.rollout_size, "environment"):
                 raise RunError(problem, agreed=True)
             if self.rank == 0 and (self.rollout_index % self.d.run.log_every == 0
                                    or self.rollout_index == plan.rollouts):

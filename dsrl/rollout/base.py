@@ -4,7 +4,9 @@ Contract of :meth:`RolloutBackend.generate` (all backends):
 - it returns exactly ``len(prompt_ids) * samples_per_prompt`` completions, grouped contiguously per
   prompt: the G samples of prompt 0, then the G samples of prompt 1, ...;
 - ``completion_ids`` end at the first end-of-sequence token, which is kept, and hold no padding;
-  ``finished`` is True exactly when that eos was produced (False: cut at ``max_new_tokens``);
+  ``finished`` is True exactly when that eos was produced (False: cut at ``max_new_tokens``). The
+  tokens of ``rollout.stop_strings`` (one token each, :func:`stop_token_ids`) end a completion exactly
+  like eos;
 - the result depends only on the weights, the prompts, the rollout settings and ``seed``, so a
   resumed run that regenerates with the same seed gets the same completions on the same hardware;
 - every completion carries its behavior log-probs, one per completion token: log mu(token), the log-prob
@@ -23,6 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from dsrl.config import ConfigError
+
 
 @dataclass
 class Completion:
@@ -31,7 +35,7 @@ class Completion:
     prompt_index: int  # index into the prompts list given to generate
     prompt_ids: list[int]  # unpadded prompt tokens
     completion_ids: list[int]  # generated tokens up to and including the first eos, no padding
-    finished: bool  # True if eos was produced (False = truncated at max_new_tokens)
+    finished: bool  # True if eos (or a rollout.stop_strings token) was produced (False = cut at max_new_tokens)
     # log mu(token) per completion token: the log-prob of each token under the distribution the backend sampled it
     # from (temperature, top-k and top-p applied), computed with the backend's own kernels (ARCHITECTURE §8)
     behavior_logprobs: list[float] | None = None
@@ -62,6 +66,23 @@ def eos_ids(tokenizer: Any, model: Any = None) -> list[int]:
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id; generation could never stop a completion")
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def stop_token_ids(tokenizer: Any, model: Any, rollout_cfg: Any) -> list[int]:
+    """The ids that end a completion: the eos ids (:func:`eos_ids`, first) and then the one token of each of
+    ``rollout.stop_strings``. A stop string that is not exactly one token is a ConfigError (a stop token keeps
+    generation token-exact: no completion is ever cut inside a token or re-tokenized)."""
+    ids = eos_ids(tokenizer, model)
+    for text in getattr(rollout_cfg, "stop_strings", None) or []:
+        encoded = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(encoded) != 1:
+            raise ConfigError(
+                f"dsrl.rollout.stop_strings entry {text!r} is {len(encoded)} tokens of the tokenizer "
+                f"({encoded}), not one: a stop string ends a turn as one token, like eos. Fix: use a string the "
+                "tokenizer encodes as a single token (e.g. one closing character, or a special token).")
+        if encoded[0] not in ids:
+            ids.append(int(encoded[0]))
+    return ids
 
 
 def cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:

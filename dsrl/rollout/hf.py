@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, eos_ids
+from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, stop_token_ids
 from dsrl.rollout.policy import (
     TensorPeersStop,
     gathered_for_generation,
@@ -59,7 +59,7 @@ class HFRolloutBackend(RolloutBackend):
     def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any):
         self.module, self.ds_engine = unwrap(engine_or_module)
         self.cfg = rollout_cfg
-        self.eos = eos_ids(tokenizer, self.module)
+        self.eos = stop_token_ids(tokenizer, self.module, rollout_cfg)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos[0]
         self.tp_group = tensor_parallel_group(self.ds_engine)

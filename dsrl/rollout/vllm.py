@@ -48,7 +48,7 @@ import torch
 
 from dsrl.config import ConfigError
 from dsrl.core.seeds import derived_seed
-from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, eos_ids
+from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, stop_token_ids
 from dsrl.rollout.policy import gathered_for_generation, unwrap
 
 log = logging.getLogger("dsrl.rollout.vllm")
@@ -152,7 +152,7 @@ class VLLMRolloutBackend(RolloutBackend):
         self.module, self.ds_engine = unwrap(engine_or_module)
         self.cfg = rollout_cfg
         self.samples_per_prompt = samples_per_prompt
-        self.eos = eos_ids(tokenizer, self.module)
+        self.eos = stop_token_ids(tokenizer, self.module, rollout_cfg)
         param = next(self.module.parameters())
         on_cpu = param.device.type == "cpu"
         check_servable(self.module.config, on_cpu)

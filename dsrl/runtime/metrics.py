@@ -19,6 +19,8 @@ ROLLOUT_LINE_KEYS = (
     ("reward_mean", "reward {:.3f}"),
     ("accuracy", "acc {:.3f}"),
     ("response_len", "len {:.1f}"),
+    ("turns_per_trajectory", "turns {:.2f}"),
+    ("tool_calls_per_trajectory", "calls {:.2f}"),
     ("loss", "loss {:+.4f}"),
     ("value_loss", "vloss {:.4f}"),
     ("kl", "kl {:.4f}"),
@@ -168,6 +170,28 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "publish_s": stats.publish_s / world,
         "generator_s": stats.generator_s,
         "generator_idle_frac": _per(stats.generator_idle_s, stats.generator_idle_s + stats.generator_s) or 0.0,
+        **_trajectory_record(stats, world),
+    }
+
+
+def _trajectory_record(stats: Any, world: int) -> dict[str, Any]:
+    """The multi-turn columns (dsrl.rl.episodes), present when the rollout's samples are trajectories:
+    per-trajectory means of model turns, tool calls (observations appended) and observation tokens; the seconds
+    spent in the environment (averaged over ranks, like rollout_s); how many trajectories an environment call
+    past data.environment_timeout_s masked, and how many were cut by an observation that did not fit, by
+    rollout.max_turns and by rollout.max_trajectory_tokens. ``response_len`` counts model tokens only."""
+    n = getattr(stats, "trajectories", 0.0)
+    if not n:
+        return {}
+    return {
+        "turns_per_trajectory": stats.turns / n,
+        "tool_calls_per_trajectory": stats.tool_calls / n,
+        "observation_tokens_per_trajectory": stats.observation_tokens / n,
+        "environment_s": stats.environment_s / world,
+        "environment_timeouts": stats.environment_timeouts,
+        "observation_overflows": stats.observation_overflows,
+        "turn_limit_frac": stats.turn_limit_cuts / n,
+        "token_limit_frac": stats.token_limit_cuts / n,
     }
 
 

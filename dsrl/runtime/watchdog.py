@@ -8,6 +8,13 @@ On top of them, **phases**: the trainer runs generation, reward, step and save i
   rank's last recorded phase. Either way the job ends with :class:`dsrl.core.errors.CollectiveTimeout`
   naming the phase and the missing rank(s).
 
+**What a rank is doing**: inside a phase, the code that calls user functions (a reward function, an
+environment: :mod:`dsrl.rl.reward_contract`, :mod:`dsrl.rl.environment`) records before each call what it calls
+and for which sample (:func:`note`, one store write). While a rank waits at a phase end, a thread of that rank
+says every ``run.wait_report_s`` seconds, until the collective bound ends the job, which rank it waits for,
+what that rank is doing and for how long (only the lowest waiting rank speaks, so a large job prints one line
+per interval, not one per rank).
+
 Invariant: :meth:`Watch.phase` adds collectives only at phase ends, where every rank passes the same
 number of times (the trainer calls it identically on every rank); with one rank it adds nothing.
 """
@@ -15,7 +22,9 @@ number of times (the trainer calls it identically on every rank); with one rank 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -26,7 +35,16 @@ from dsrl.core import collectives
 from dsrl.core.errors import CollectiveTimeout, RunError
 from dsrl.core.timeouts import looks_like_timeout
 
-PHASES = ("start", "generation", "reward", "step", "save", "export")
+PHASES = ("start", "generation", "environment", "reward", "step", "save", "export")
+log = logging.getLogger("dsrl.watchdog")
+_ACTIVE: list[Watch] = []  # the job's Watch with more than one rank (what note() records into)
+
+
+def note(doing: str) -> None:
+    """Record what this rank is about to do (e.g. ``"calling dsrl.data.reward_fn for sample 3 (...)"``), for the
+    waiting ranks' reports and the timeout message. A no-op without a multi-rank :class:`Watch`."""
+    if _ACTIVE:
+        _ACTIVE[-1].note(doing)
 
 
 def _missing_ranks(text: str) -> list[int]:
@@ -37,8 +55,9 @@ def _missing_ranks(text: str) -> list[int]:
 class Watch:
     """Phase bookkeeping and bounded phase ends for one job (module docstring). Build it on every rank."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, report_s: float = 30.0):
         self.timeout_s = float(timeout_s)
+        self.report_s = float(report_s)
         self.rank, self.world = collectives.rank(), collectives.world()
         self.current = "start"
         self.group = None
@@ -50,6 +69,7 @@ class Watch:
                 from torch.distributed.distributed_c10d import _get_default_store
 
                 self.store = _get_default_store()
+            _ACTIVE[:] = [self]
         self._mark("start")
 
     def _mark(self, phase: str) -> None:
@@ -57,22 +77,85 @@ class Watch:
             with contextlib.suppress(Exception):
                 self.store.set(f"dsrl/phase/{self.rank}", f"{phase}@{time.time():.3f}")
 
+    def note(self, doing: str) -> None:
+        """Record what this rank is doing now (module docstring); never raises."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"dsrl/doing/{self.rank}", f"{time.time():.3f}@{doing}")
+
+    def _read(self, key: str) -> str | None:
+        if self.store is None or not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
+
+    def _state(self, r: int) -> tuple[str, float, str | None, float] | None:
+        """Rank ``r``'s (phase mark, when it was set, what it noted doing since then or None, when) from the store."""
+        mark = self._read(f"dsrl/phase/{r}")
+        if mark is None:
+            return None
+        phase, stamp = mark.rsplit("@", 1)
+        doing = None if phase.endswith((" end", " done")) else self._read(f"dsrl/doing/{r}")  # at a barrier: idle
+        if doing is not None:
+            when, what = doing.split("@", 1)
+            if float(when) >= float(stamp):  # noted inside its current phase, not left over from an earlier one
+                return phase, float(stamp), what, float(when)
+        return phase, float(stamp), None, 0.0
+
+    def _describe(self, r: int, now: float) -> str:
+        """'rank 1 in reward for 31 s, calling ... for 31 s' (or what is known of rank ``r``)."""
+        try:
+            state = self._state(r)
+        except Exception:
+            return f"rank {r}: unknown"
+        if state is None:
+            return f"rank {r}: no report"
+        phase, stamp, what, when = state
+        text = f"rank {r} in {phase} for {now - stamp:.0f} s"
+        return text + (f", {what} for {now - when:.0f} s" if what else "")
+
     def _reports(self) -> str:
-        """Each rank's last recorded phase and how long ago it entered it, read from the store."""
+        """Each rank's last recorded phase, how long ago it entered it and what it noted doing, from the store."""
         if self.store is None:
             return ""
-        now, parts = time.time(), []
-        for r in range(self.world):
-            key = f"dsrl/phase/{r}"
-            try:
-                if not self.store.check([key]):
-                    parts.append(f"rank {r}: no report")
-                    continue
-                phase, stamp = self.store.get(key).decode().split("@")
-                parts.append(f"rank {r} in {phase} for {now - float(stamp):.0f} s")
-            except Exception:
-                parts.append(f"rank {r}: unknown")
-        return "; ".join(parts)
+        now = time.time()
+        return "; ".join(self._describe(r, now) for r in range(self.world))
+
+    def _report_waiting(self, name: str, since: float) -> None:
+        """One report of a rank waiting at the end of phase ``name`` (module docstring): the lowest waiting rank
+        names every rank that has not reached the phase end, with what it is doing."""
+        try:
+            marks = {r: self._state(r) for r in range(self.world)}
+        except Exception:
+            return
+        waiting = [r for r, st in marks.items() if st is not None and st[0] in (f"{name} end", f"{name} done")]
+        busy = [r for r in range(self.world) if r not in waiting]
+        if not busy or not waiting or min(waiting) != self.rank:
+            return
+        now = time.time()
+        log.warning("rank %d has waited %.0f s at the end of the %s phase for %s; the job ends if %s not there "
+                    "within %g s of the first rank (dsrl.run.collective_timeout_s)", self.rank, now - since, name,
+                    "; ".join(self._describe(r, now) for r in busy), "it is" if len(busy) == 1 else "they are",
+                    self.timeout_s)
+
+    @contextlib.contextmanager
+    def _reporting(self, name: str) -> Iterator[None]:
+        """Report every ``report_s`` seconds from a thread while the block waits (module docstring)."""
+        if self.store is None or self.report_s >= self.timeout_s:
+            yield
+            return
+        stop, since = threading.Event(), time.time()
+
+        def loop() -> None:
+            while not stop.wait(self.report_s):
+                self._report_waiting(name, since)
+
+        thread = threading.Thread(target=loop, name="dsrl-wait-report", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=5.0)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -97,8 +180,11 @@ class Watch:
         """A barrier that names the ranks missing after ``timeout_s`` (collective)."""
         if self.world == 1:
             return
+        self._mark(f"{name} end")
         try:
-            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+            with self._reporting(name):
+                dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=self.timeout_s),
+                                       wait_all_ranks=True)
         except RuntimeError as e:
             missing = _missing_ranks(str(e))
             if missing:

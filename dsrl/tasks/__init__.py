@@ -15,6 +15,9 @@ schedule), GRPO, temperature 1, max_new_tokens 8; mean reward over 3 seeds and a
   then positions. At lr 1e-3 the reward reaches 0.14 at rollout 50.
 - ``copy``: the same strings unchanged; same pace (0.03 -> 0.18 at rollout 50).
 - ``add``: ``"add: 3+4 ="`` -> ``"7"`` with operands 0..9 (0.02 -> 0.22 at rollout 50).
+- ``calculator``: ``"calculator: 347*862 ="`` -> ``"299114"``, a tool task: with the environment
+  ``dsrl.tasks.calculator:Calculator`` the model calls ``[347*862]`` and copies the result
+  (configs/tiny_tool_cpu.json, docs/environments.md); without the tool no tiny model gets it right.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from dsrl.config import ConfigError
 from dsrl.config.names import DEFAULT_TASK
 from dsrl.tasks.base import Task, exact_match, partial_match_reward
 from dsrl.tasks.builtin import AddTask, StringTask
+from dsrl.tasks.calculator import CalculatorTask
 
 # Keys: exactly dsrl.config.names.TASK_NAMES (the config's Literal of task names).
 TASKS: dict[str, Task] = {
     "reverse": StringTask("reverse", alphabet="abcde", min_len=1, max_len=3, reverse=True),
     "copy": StringTask("copy", alphabet="abcde", min_len=1, max_len=3, reverse=False),
     "add": AddTask("add", max_value=9),
+    "calculator": CalculatorTask("calculator"),
 }
 
 
@@ -43,4 +48,5 @@ def get_task(name: str) -> Task:
         ) from None
 
 
-__all__ = ["DEFAULT_TASK", "TASKS", "AddTask", "StringTask", "Task", "exact_match", "get_task", "partial_match_reward"]
+__all__ = ["DEFAULT_TASK", "TASKS", "AddTask", "CalculatorTask", "StringTask", "Task", "exact_match", "get_task",
+           "partial_match_reward"]

@@ -2,8 +2,10 @@
 
 - (a reward call that never returns on one rank is cut at ``data.reward_timeout_s``, its sample masked
   and counted: tested in test_elastic_export.py, on the ZeRO-2 chain's first run);
-- without a reward timeout, the other rank gives up after ``run.collective_timeout_s`` with a
-  sentence naming the phase (reward) and the missing rank (1), and the whole job ends;
+- without a reward timeout, the waiting rank says every ``run.wait_report_s`` which rank it waits for, which
+  samples that rank's reward function is scoring and for how long; it gives up after
+  ``run.collective_timeout_s`` with a sentence naming the phase (reward) and the missing rank (1), and the whole
+  job ends;
 - SIGTERM to the ``deepspeed`` runner alone (what ``kill PID`` and ``timeout`` do) used to leave its
   ranks training to the end of the run; now they notice, finish the rollout, commit a checkpoint and
   exit, and the output directory's lock is released.
@@ -42,11 +44,17 @@ def test_stuck_rank_ends_the_job_naming_phase_and_rank(tmp_path):
     proc = launch(["launch/train.py", "--ds_config", _config(tmp_path), "--dsrl.run.rollouts", "1",
                    "--dsrl.run.output_dir", str(out), "--dsrl.run.progress_bar", "false",
                    "--dsrl.data.reward_fn", "tests/data/reward_fixture.py:hang_on_rank1",
-                   "--dsrl.data.reward_timeout_s", "null", "--dsrl.run.collective_timeout_s", "5",
-                   "--dsrl.run.stop_grace_s", "2"], nprocs=2, timeout=300, check=False)
+                   "--dsrl.data.reward_timeout_s", "null", "--dsrl.run.collective_timeout_s", "8",
+                   "--dsrl.run.wait_report_s", "2", "--dsrl.run.stop_grace_s", "2"], nprocs=2, timeout=300,
+                  check=False)
     wall = time.monotonic() - start
     assert proc.returncode != 0
-    assert "rank 1 did not finish the reward phase within 5 s" in proc.stderr, proc.stderr[-3000:]
+    reports = [ln for ln in proc.stdout.splitlines() if "rank 0 has waited" in ln]
+    assert len(reports) >= 2, proc.stdout[-3000:]  # every 2 s until the bound
+    assert ("at the end of the reward phase for rank 1 in reward for" in reports[0] and "calling dsrl.data.reward_fn "
+            "= 'tests/data/reward_fixture.py:hang_on_rank1' for a batch of 64 samples (first completion" in reports[0]
+            and "within 8 s" in reports[0]), reports[0]
+    assert "rank 1 did not finish the reward phase within 8 s" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr.split("rank 1 did not finish")[0][-2000:]
     assert wall < 240, wall  # the hanging rank sleeps for an hour
 

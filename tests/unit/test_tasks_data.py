@@ -199,7 +199,7 @@ def test_reward_fn_errors_name_the_field(monkeypatch):
     fn = load_reward_fn(DataConfig(task=None, path=JSONL, reward_fn="reward_fixture:wrong_length"))
     with pytest.raises(ConfigError, match="dsrl.data.reward_fn.*returned 1 rewards for 2"):
         fn(["a", "b"], ["a", "b"], ["a", "b"])
-    with pytest.raises(ConfigError, match="dsrl.data.reward_fn and dsrl.data.reward_model are unset"):
+    with pytest.raises(ConfigError, match="reward_fn, dsrl.data.reward_model and dsrl.data.environment are unset"):
         DataConfig(task=None, path=JSONL)
 
 
