@@ -16,8 +16,9 @@ Contract (beyond :mod:`dsrl.rollout.base`):
 - vLLM keeps its own copy of the weights: :meth:`VLLMRolloutBackend.sync_weights` (every rank, before each
   rollout's generation; under ZeRO-3 one parameter gather, a collective) reloads them in place through vLLM's
   ``reload_weights`` with the policy's full ``state_dict`` (tied output heads included: vLLM's CPU kernels keep
-  a packed copy of the head that only a weight named ``lm_head.weight`` refreshes) and drops the prefix cache
-  (its KV blocks were computed with the old weights);
+  a packed copy of the head that only a weight named ``lm_head.weight`` refreshes; a LoRA policy sends its merged
+  weights, :func:`dsrl.rollout.policy.generation_weights`) and drops the prefix cache (its KV blocks were computed
+  with the old weights);
 - sampling is seeded per prompt from the rollout's seed and the prompt's index (vLLM's sample j of a request
   uses seed + j, so requests are spaced by G), so results do not depend on how prompts are batched;
 - the behavior log-probs are vLLM's ``processed_logprobs``: the log-prob of each sampled token under the
@@ -49,7 +50,7 @@ import torch
 from dsrl.config import ConfigError
 from dsrl.core.seeds import derived_seed
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, eos_ids
-from dsrl.rollout.policy import gathered_for_generation, unwrap
+from dsrl.rollout.policy import gathered_for_generation, generation_weights, unwrap
 
 log = logging.getLogger("dsrl.rollout.vllm")
 INSTALL_HINT = ("rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: pip install 'dsrl[vllm]' on a "
@@ -234,7 +235,7 @@ class VLLMRolloutBackend(RolloutBackend):
         """Reload the policy's current weights into vLLM in place (a collective under ZeRO-3: call on every rank)
         and drop the prefix cache."""
         with torch.no_grad(), gathered_for_generation(self.module, self.ds_engine):
-            weights = [(name, t.detach()) for name, t in self.module.state_dict().items()]
+            weights = generation_weights(self.module)  # LoRA: the merged weights, computed beside the trained ones
             with preserved_process_state():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
