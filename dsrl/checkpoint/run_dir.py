@@ -293,11 +293,13 @@ def open_run_dir(run_cfg: Any, checksums: bool = True) -> RunDir:
 
 def estimate_checkpoint_bytes(model: Any, with_export: bool = False) -> int:
     """An upper estimate of one checkpoint of ``model`` (bytes): the weights in their dtype plus an fp32
-    master copy and two Adam moments (12 bytes per parameter), plus the exported copy when asked."""
+    master copy and two Adam moments (12 bytes) per trainable parameter, frozen weights (LoRA's base) a second
+    time (ZeRO 2-3 record them again for the consolidation), plus the exported copy when asked."""
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
     width = params[0].element_size() if params else 4
-    return n * (width + 12) + (n * width if with_export else 0)
+    return n * width + trainable * 12 + (n - trainable) * width + (n * width if with_export else 0)
 
 
 def check_free_space(run: RunDir, model: Any, run_cfg: Any) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -40,3 +42,11 @@ def test_e2e_bench_dsrl_worker_runs(tmp_path):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     records = json.loads(out.read_text())
     assert len(records) == 2 and all(r["rollout_s"] > 0 and r["completion_tokens"] > 0 for r in records)
+
+
+def test_lora_bench_runs():
+    """bench/lora.py's smallest configuration (LoRA vs full on the tiny shape, ZeRO-2, one spawned rank)."""
+    pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
+    out = run(["bench/lora.py", "--shape", "tiny", "--ranks", "1", "--zero_stages", "2", "--steps", "2", "--seq_len",
+               "16", "--micro", "2", "--accum", "1", "--no-record"]).stdout
+    assert "optimizer state LoRA/full" in out and "| ZeRO-2 | lora |" in out

@@ -213,3 +213,15 @@ def test_lora_config_file_is_valid():
     # derived from the default: the same task, batch and algorithm
     default = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
     assert raw["dsrl"]["batch"] == default["dsrl"]["batch"] and raw["dsrl"]["data"] == default["dsrl"]["data"]
+
+
+def test_checkpoint_estimate_counts_optimizer_state_for_adapters_only():
+    """The free-space check before a run: 12 bytes of optimizer state per trainable parameter only, the frozen
+    base counted twice (ZeRO 2-3 record frozen weights again for the consolidation)."""
+    from dsrl.checkpoint.run_dir import estimate_checkpoint_bytes
+
+    full, lora = tiny(), tiny(LoraConfig(r=4))
+    n = sum(p.numel() for p in full.parameters())
+    t = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert estimate_checkpoint_bytes(full) == n * (4 + 12)
+    assert estimate_checkpoint_bytes(lora) == (n + t) * 4 + t * 12 + n * 4 < estimate_checkpoint_bytes(full)
