@@ -2,7 +2,8 @@
 
 Invariants:
 - PEFT is imported only when ``dsrl.model.lora`` is set; without it the error is one sentence naming
-  ``pip install 'dsrl[lora]'`` (:func:`import_peft`);
+  ``pip install 'dsrl[lora]'``: a ConfigError when the run file is checked, before any work
+  (:func:`dsrl.backends.deepspeed.validation.check_lora_run`), an ImportError from :func:`import_peft`;
 - :func:`apply_lora` wraps the model *before* ``dsrl.initialize``: the adapters (and ``modules_to_save``) are then
   the only parameters with ``requires_grad``, so they are the only ones DeepSpeed's optimizer holds (its state
   shrinks accordingly) while the frozen base weights are still partitioned by ZeRO-3 like any other parameter.
@@ -14,7 +15,7 @@ Invariants:
 - the KL reference is the policy engine itself with its adapters disabled (:class:`AdaptersDisabled`), never a
   second copy; it forwards through the engine with the same number of forwards on every rank (ZeRO-3);
 - refused before any work: AutoTP and AutoEP (they replace the layers the adapters wrap; refused with the
-  ds_config's validation, :func:`dsrl.backends.deepspeed.validation.check_lora_layout`), adapters or
+  ds_config's validation, :func:`dsrl.backends.deepspeed.validation.check_lora_run`), adapters or
   ``modules_to_save`` on the embedding or output head of a model with tied word embeddings (the tie would
   break), target modules that match nothing.
 """

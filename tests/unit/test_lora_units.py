@@ -55,10 +55,15 @@ def test_config_section_and_its_errors():
 
 
 def test_missing_peft_names_the_extra(monkeypatch):
+    from dsrl.backends.deepspeed import validation
+
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(ImportError) as e:
         import_peft()
     assert str(e.value) == INSTALL_HINT and "pip install 'dsrl[lora]'" in INSTALL_HINT
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # the run-file check, before any work
+    with pytest.raises(ConfigError, match=r"pip install 'dsrl\[lora\]'"):
+        validation.check_lora_run({})
 
 
 def test_only_adapters_train_identical_builds_and_rng_untouched():

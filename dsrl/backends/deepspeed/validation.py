@@ -77,7 +77,7 @@ def validated_deepspeed_config(
     own code (module docstring) before any work; every problem is a ConfigError naming the field."""
     ds = resolve_deepspeed_config(cfg, plan, on_gpu=on_gpu, bf16_supported=bf16_supported)
     if cfg.dsrl.model.lora is not None:
-        check_lora_layout(ds)
+        check_lora_run(ds)
     with deepspeed_warnings() as warned:
         ds_cfg = check_with_deepspeed(ds, mpu=mpu, client_optimizer=client_optimizer)
         optimizer = None
@@ -90,11 +90,17 @@ def validated_deepspeed_config(
     return ds, spec
 
 
-def check_lora_layout(ds_config: dict[str, Any]) -> None:
-    """With ``dsrl.model.lora``, refuse the layouts LoRA does not run under: AutoTP and AutoEP replace the layers
-    the adapters wrap with their own (docs/lora.md)."""
+def check_lora_run(ds_config: dict[str, Any]) -> None:
+    """With ``dsrl.model.lora``: PEFT is installed, and the layout is one LoRA runs under (AutoTP and AutoEP
+    replace the layers the adapters wrap with their own; docs/lora.md)."""
+    import importlib.util
+
     from dsrl.backends.deepspeed.autoep import expert_parallel_enabled
     from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: pip install "
+                          "'dsrl[lora]' (peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every parameter.")
 
     tp = tensor_parallel_size(ds_config)
     if tp > 1:
