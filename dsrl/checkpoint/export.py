@@ -13,7 +13,11 @@ Invariants of :func:`export_checkpoint`:
 - the output directory appears complete or not at all (written beside it, then renamed) and holds
   ``model.safetensors`` (or shards), ``config.json``, ``generation_config.json`` and the tokenizer,
   loadable with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``;
-- ``dtype="auto"`` writes the dtype the model was trained in (its config's), else float32/bfloat16/float16.
+- ``dtype="auto"`` writes the dtype the model was trained in (its config's), else float32/bfloat16/float16;
+- a LoRA run (``dsrl.model.lora``; its ``hf/`` holds PEFT's ``adapter_config.json``) exports the merged model
+  (each adapted weight ``W + (alpha/r) B A``, PEFT's ``merge_and_unload``), loadable like any other, or with
+  ``adapter=True`` the adapter alone (``adapter_model.safetensors`` + ``adapter_config.json`` + the tokenizer),
+  loadable with ``peft.PeftModel.from_pretrained(base_model, DIR)``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 from dsrl.config import ConfigError
 
 HF_META = "hf"
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's, in hf/ of a LoRA run's checkpoints
+PEFT_HINT = "pip install 'dsrl[lora]' (peft>=0.21,<0.22)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,6 +49,9 @@ def write_hf_meta(engine_dir: str, model: Any, tokenizer: Any) -> None:
         generation.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+    adapters = getattr(model, "peft_config", None)  # a LoRA policy: what export needs to rebuild it
+    if isinstance(adapters, dict) and "default" in adapters:
+        adapters["default"].save_pretrained(folder)
 
 
 def _is_zero_partitioned(engine_dir: str) -> bool:
@@ -92,10 +101,27 @@ def resolve(source: str, checksums: bool = True) -> tuple[str, str]:
     return point.ckpt_dir, point.tag
 
 
+def _with_adapters(model: Any, meta: str) -> Any:
+    """``model`` (on the meta device) wrapped by PEFT as the checkpoint's LoRA run wrapped it."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(f"{meta} holds a LoRA adapter config (the run used dsrl.model.lora): exporting it needs "
+                          f"Hugging Face PEFT. Fix: {PEFT_HINT}.") from None
+    import warnings
+
+    config = peft.PeftConfig.from_pretrained(meta)
+    config.inference_mode = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
 def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: bool = False,
-                      engine: str | None = None, checksums: bool = True) -> str:
+                      engine: str | None = None, checksums: bool = True, adapter: bool = False) -> str:
     """Write the newest checkpoint of ``source`` (or ``source`` itself, a checkpoint) to ``out`` as a
-    Hugging Face model directory (module doc); ``engine`` names a second engine's sub-directory."""
+    Hugging Face model directory (module doc); ``engine`` names a second engine's sub-directory. A LoRA
+    checkpoint is written merged, or with ``adapter`` as its adapter alone (a PEFT adapter directory)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -112,11 +138,17 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
         raise ConfigError(f"{engine_dir} has no {HF_META}/config.json (written by dsrl with every checkpoint since "
                           "export existed). Fix: export a newer checkpoint, or copy the model's config.json and "
                           f"tokenizer files into {meta}.")
+    lora = os.path.isfile(os.path.join(meta, ADAPTER_CONFIG))
+    if adapter and not lora:
+        raise ConfigError(f"--adapter: {engine_dir} was not trained with dsrl.model.lora (its {HF_META}/ holds no "
+                          f"{ADAPTER_CONFIG}), so it has no adapter. Fix: export without --adapter.")
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
     out = os.path.abspath(out)
     state = consolidated_state_dict(engine_dir, scratch=f"{out}.universal.tmp.{os.getpid()}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if lora:
+            model = _with_adapters(model, meta)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
@@ -124,14 +156,16 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
         raise ConfigError(f"{engine_dir}: the checkpoint does not match {meta}/config.json (missing "
                           f"{still_meta[:5]}, unexpected {list(unexpected)[:5]}).")
     del missing
+    if lora and not adapter:
+        model = model.merge_and_unload()  # W + (alpha/r) B A in every adapted layer; a plain transformers model
     target = DTYPES.get(dtype) or getattr(config, "dtype", None) or torch.float32
     target = DTYPES.get(target, target) if isinstance(target, str) else target
     model = model.to(target)
-    if os.path.isfile(os.path.join(meta, "generation_config.json")):
+    if os.path.isfile(os.path.join(meta, "generation_config.json")) and not adapter:
         model.generation_config = GenerationConfig.from_pretrained(meta, local_files_only=True)
     tmp = f"{out}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True)  # a PEFT model (adapter=True) writes the adapter only
     with contextlib.suppress(OSError, ValueError):
         AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
     if os.path.exists(out):

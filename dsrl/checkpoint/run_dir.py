@@ -9,6 +9,7 @@ Invariants kept by :func:`open_run_dir` (collective; every rank gets the same ou
   output directory that holds a run's checkpoints or metrics, a resume from another run into it, or a
   resume from an older checkpoint of it than its newest, are refused (exit status 2) with a message
   naming ``--resume auto``, a new ``--dsrl.run.output_dir`` and ``--overwrite`` (``run.overwrite``);
+  ``--overwrite`` with ``--resume auto`` (the default) starts over, never continues;
 - a checkpoint is used only after its manifest checks out: ``auto`` falls back from a damaged newest
   checkpoint to the previous complete one, saying which file is damaged (the damaged one is renamed
   ``<tag>.damaged`` and kept); an explicitly named checkpoint that is damaged is an error naming the file;
@@ -269,7 +270,10 @@ def open_run_dir(run_cfg: Any, checksums: bool = True) -> RunDir:
     if taken_over:
         _note(run, taken_over)
     try:
-        folder, tags, explicit, latest_note = collectives.on_rank0(lambda: classify(run_cfg.resume, ckpt_dir))
+        # --overwrite means start over: with the default --resume auto it must not pick the old run's newest
+        # checkpoint (only an explicitly named checkpoint is gone back to, dropping the newer ones).
+        resume = "never" if run_cfg.overwrite and run_cfg.resume == "auto" else run_cfg.resume
+        folder, tags, explicit, latest_note = collectives.on_rank0(lambda: classify(resume, ckpt_dir))
         if latest_note:
             _note(run, f"{latest_note}; using the newest complete checkpoint instead")
         point, damaged_notes = choose(folder, tags, explicit, checksums)
@@ -293,11 +297,13 @@ def open_run_dir(run_cfg: Any, checksums: bool = True) -> RunDir:
 
 def estimate_checkpoint_bytes(model: Any, with_export: bool = False) -> int:
     """An upper estimate of one checkpoint of ``model`` (bytes): the weights in their dtype plus an fp32
-    master copy and two Adam moments (12 bytes per parameter), plus the exported copy when asked."""
+    master copy and two Adam moments (12 bytes) per trainable parameter, frozen weights (LoRA's base) a second
+    time (ZeRO 2-3 record them again for the consolidation), plus the exported copy when asked."""
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
     width = params[0].element_size() if params else 4
-    return n * (width + 12) + (n * width if with_export else 0)
+    return n * width + trainable * 12 + (n - trainable) * width + (n * width if with_export else 0)
 
 
 def check_free_space(run: RunDir, model: Any, run_cfg: Any) -> None:

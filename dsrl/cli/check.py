@@ -11,7 +11,9 @@ reference implements each aggregation mode from its definition, independently of
 
 The model is a tiny custom one, or a tiny Hugging Face model built from a config when the ds_config
 shards the model by name: a Llama under AutoTP (``tensor_parallel.autotp_size > 1``), a Mixtral
-(MoE) under AutoEP (``expert_parallel``) or with ``--model mixtral``. The reference is the same model,
+(MoE) under AutoEP (``expert_parallel``) or with ``--model mixtral``. A run file with ``dsrl.model.lora``
+gets a tiny Qwen2 (or ``--model llama``) carrying the run's adapters, which are then the only trainable
+parameters (:mod:`dsrl.cli.check_lora`). The reference is the same model,
 unsharded, in float64. Under AutoTP the mini-batch is split over the D data-parallel replicas and
 every tensor peer of a replica gets the same micro-batches; the gathered update is compared per
 parameter (dense and expert parameters alike).
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsrl.cli.check_lora import adapter_parameters, lora_model_for, lora_settings, with_adapters
 from dsrl.cli.check_objectives import (
     HIDDEN,
     LOSSES,
@@ -329,7 +332,7 @@ def naive_step(engine: Any, micros: list[dict], n_max: int, loss_fn: Any = per_t
     engine.step()
 
 
-def _check_config(ds_config: dict, stage: int, loss_agg: str, batch: int) -> dict:
+def _check_config(ds_config: dict, stage: int, loss_agg: str, batch: int, lora: Any = None) -> dict:
     """The run file of one case: the user's ds_config minus optimizer/schedule/logging, plain SGD."""
     cfg = copy.deepcopy(ds_config)
     for k in ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
@@ -346,6 +349,8 @@ def _check_config(ds_config: dict, stage: int, loss_agg: str, batch: int) -> dic
         "data": {"max_prompt_tokens": 1},
         "rollout": {"max_new_tokens": MAX_LEN},
     }
+    if lora is not None:  # validated like a run's (AutoTP/AutoEP refused)
+        cfg["dsrl"]["model"] = {"lora": lora.model_dump()}
     return cfg
 
 
@@ -367,14 +372,17 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
     corrected = apply_correction(mine, objective)  # dsrl's experience-side step; the reference gets ``seqs``
     torch.manual_seed(seed)
     model = build_model(arch, objective)
+    lora = lora_settings(ds_config)
+    if lora is not None:  # the run's adapters: only they train (dsrl.cli.check_lora)
+        model = with_adapters(model, lora, seed)
     reference = copy.deepcopy(model)  # unsharded: AutoTP/AutoEP replace the original's layers in place
-    cfg = _check_config(ds_config, stage, loss_agg, B)
+    cfg = _check_config(ds_config, stage, loss_agg, B, lora)
     fp16 = isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") in (True, "auto")
     lr = LR_FP16 if fp16 else LR
     if expert_parallel_enabled(cfg):
         optimizer: Any = moe_optimizer(lambda groups: torch.optim.SGD(groups, lr=lr))
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     engine = dsrl.initialize(model, cfg, optimizer=optimizer)
     replica = engine.view.data_parallel_rank
     before = full_parameters(engine.engine)
@@ -412,7 +420,12 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
             "worst_parameter": worst_parameter(update, ref),
             "dense_error": relative_error(update, ref, lambda n: not is_expert(n)) if moe else None,
             "expert_error": relative_error(update, ref, is_expert) if moe else None,
-            "micro_batches": len(micros), "tokens": metrics.get("tokens")}
+            "micro_batches": len(micros), "tokens": metrics.get("tokens"),
+            "lora": lora is not None,
+            "adapter_error": relative_error(update, ref, set(adapter_parameters(ref)).__contains__) if lora else None,
+            "trainable_parameters": sum(p.numel() for p in reference.parameters() if p.requires_grad),
+            "frozen_moved": max((float((update[n]).abs().max()) for n, p in reference.named_parameters()
+                                 if not p.requires_grad), default=0.0)}
 
 
 def tolerance_for(ds_config: dict) -> float:
@@ -467,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(objectives) - set(OBJECTIVES))
     if unknown:
         parser.error(f"--objective {','.join(unknown)}: not one of {', '.join(OBJECTIVES)}")
-    arch = model_for(raw, args.model)
+    arch = model_for(raw, args.model) if lora_settings(raw) is None else lora_model_for(args.model, args.objective)
     for objective in objectives:
         for stage in stages:
             for loss_agg in loss_aggs:
@@ -479,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                             worst = max(worst, res["error"])
                         if rank == 0:
                             print(f"{objective:<6} {args.data} ZeRO-{stage} {loss_agg:<24} {split:<9} "
-                                  f"ranks={res['world_size']} "
-                                  f"tp={res['tensor_parallel_size']} {arch} {method:<11} relative error "
+                                  f"ranks={res['world_size']} tp={res['tensor_parallel_size']} "
+                                  f"{arch}{'+lora' if res['lora'] else ''} {method:<11} relative error "
                                   f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -2,7 +2,7 @@
 Hugging Face model directory; ``dsrl plot`` draws a run's curves; ``dsrl check`` explains the self-check.
 
 ``dsrl plan --ds_config FILE [--world_size N] [--dataset_size M] [--lengths FILE] [--json] [--dsrl.x.y V ...]``
-``dsrl export RUN_OR_CHECKPOINT_DIR --out DIR [--dtype auto|float32|bfloat16|float16] [--overwrite]``
+``dsrl export RUN_OR_CHECKPOINT_DIR --out DIR [--dtype auto|float32|bfloat16|float16] [--adapter] [--overwrite]``
 ``dsrl plot RUN_DIR [--out FILE.png]``   (needs matplotlib: reward, accuracy, entropy, KL, LR per step)
 """
 
@@ -154,6 +154,9 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="the model directory to write")
     parser.add_argument("--dtype", default="auto", help="auto (the training dtype) | float32 | bfloat16 | float16")
     parser.add_argument("--engine", default=None, help="sub-directory of a second engine inside the checkpoint")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run (dsrl.model.lora): write the adapter alone, loadable with "
+                             "peft.PeftModel.from_pretrained(base, DIR); default: the merged model")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--no_checksums", action="store_true", help="verify file sizes only")
     args = parser.parse_args(argv)
@@ -161,7 +164,7 @@ def cmd_export(argv: list[str]) -> int:
     from dsrl.checkpoint.export import export_checkpoint
 
     out = export_checkpoint(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, engine=args.engine,
-                            checksums=not args.no_checksums)
+                            checksums=not args.no_checksums, adapter=args.adapter)
     print(f"wrote {out}")
     return 0
 

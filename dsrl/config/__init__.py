@@ -22,7 +22,7 @@ from dsrl.config.load import (
     parse_override_args,
     parse_override_value,
 )
-from dsrl.config.model import ModelConfig
+from dsrl.config.model import LoraConfig, ModelConfig
 from dsrl.config.rollout import RolloutConfig
 from dsrl.config.root import DsrlConfig
 from dsrl.config.run import RunConfig, SchedulerConfig
@@ -30,7 +30,7 @@ from dsrl.config.section import Section
 
 __all__ = [
     "DS_BATCH_KEYS", "AlgorithmConfig", "BatchConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "DsrlConfig", "ModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SchedulerConfig",
-    "Section", "SftConfig",
+    "DsrlConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig",
+    "SchedulerConfig", "Section", "SftConfig",
     "apply_overrides", "load_config", "parse_override_args", "parse_override_value",
 ]

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from dsrl.config import Config
-from dsrl.config.errors import describe_type
+from dsrl.config.errors import describe_type, model_in
 from dsrl.config.names import ALGORITHM_DEFAULTS, LOSS_AGG_MODES
 from dsrl.config.root import DsrlConfig
 
@@ -109,6 +109,12 @@ def _section(name: str, model: type[BaseModel], level: str = "##") -> list[str]:
         if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
             out.append(f"| `{key}` | (section) | - | a JSON object | see `dsrl.{name}.{key}` below |")
             nested.append((f"{name}.{key}", info.annotation))
+            continue
+        optional = model_in(info.annotation)
+        if optional is not None:  # an optional section (dsrl.model.lora): unset = the feature is off
+            out.append(f"| `{key}` | {_cell(_default(info))} | - | a JSON object or null | "
+                       f"{_cell(info.description or '')}; see `dsrl.{name}.{key}` below |")
+            nested.append((f"{name}.{key}", optional))
             continue
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         unit = extra.get("unit") or "-"

@@ -74,13 +74,13 @@ def literal_choices(ann: Any) -> list[Any]:
     return []
 
 
-def _model_in(ann: Any) -> type[BaseModel] | None:
+def model_in(ann: Any) -> type[BaseModel] | None:
     """The pydantic model an annotation holds (itself, or a member of an Optional/Union/Annotated)."""
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return ann
     if typing.get_origin(ann) in (Union, types.UnionType, Annotated):
         for arg in typing.get_args(ann):
-            found = _model_in(arg)
+            found = model_in(arg)
             if found is not None:
                 return found
     return None
@@ -100,7 +100,7 @@ def _locate(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Fi
         if isinstance(item, str) and item in fields:
             parts.append(item)
             info, owner = fields[item], cls
-            cls = _model_in(info.annotation)
+            cls = model_in(info.annotation)
         else:
             parts.append(str(item))
             info, owner, cls = None, cls, None

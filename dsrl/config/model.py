@@ -4,8 +4,40 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
+from pydantic import field_validator
+
+from dsrl.config.errors import ConfigError
 from dsrl.config.names import TinyArch
 from dsrl.config.section import Section, setting
+
+
+class LoraConfig(Section):
+    """LoRA adapters (Hugging Face PEFT, `pip install 'dsrl[lora]'`): the adapters (and `modules_to_save`) are
+    the only trainable parameters; the KL reference is the same model with its adapters disabled (docs/lora.md)."""
+
+    PATH: ClassVar[str] = "dsrl.model.lora"
+
+    r: int = setting(8, "rank of each adapter (A: r x in, B: out x r)", gt=0)
+    alpha: float = setting(16.0, "scaling numerator: the adapted weight is W + (alpha / r) B A", gt=0)
+    dropout: float = setting(0.0, "dropout on the adapter's input while training (log-prob forwards run in eval "
+                                  "mode, without it)", ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = setting(
+        "all-linear", "the modules that get adapters: PEFT's module names or name suffixes (e.g. [\"q_proj\", "
+                      "\"v_proj\"]), or all-linear (every linear layer except the output head)")
+    modules_to_save: list[str] | None = setting(
+        None, "modules trained in full beside the adapters (PEFT's modules_to_save, e.g. [\"score\"]); not the "
+              "embedding or output head of a model with tied word embeddings")
+
+    @field_validator("target_modules", "modules_to_save")
+    @classmethod
+    def _names_given(cls, value: Any, info: Any) -> Any:
+        """`target_modules` (a list) and `modules_to_save` name at least one module, each a non-empty string."""
+        if isinstance(value, list) and (not value or not all(isinstance(v, str) and v.strip() for v in value)):
+            raise ConfigError(f"dsrl.model.lora.{info.field_name} = {value!r} must name at least one module, each a "
+                              "non-empty string. Fix: list module names such as [\"q_proj\", \"v_proj\"]"
+                              + (", or use \"all-linear\"." if info.field_name == "target_modules" else
+                                 ", or remove the key."))
+        return value
 
 
 class ModelConfig(Section):
@@ -29,3 +61,5 @@ class ModelConfig(Section):
         False, "padding-free micro-batches: sequences packed into one row, position_ids restarting per sequence "
                "and no attention mask (transformers builds the block-diagonal mask on sdpa/eager, varlen kernels "
                "on flash attention); the token budget then counts real tokens only")
+    lora: LoraConfig | None = setting(
+        None, "LoRA adapters as the only trainable parameters; unset = full fine-tuning")

@@ -315,8 +315,10 @@ class ExperienceMaker:
         if self.ref_model is None:
             return
         with torch.no_grad():
-            for g, micro in zip(groups, micros):
-                lp = fn(self.ref_model, micro)
+            # A reference that runs through the policy's engine (LoRA: adapters disabled) pads its forwards itself.
+            refs = (self.ref_model.forward_no_grad(micros, fn) if hasattr(self.ref_model, "forward_no_grad")
+                    else [fn(self.ref_model, micro) for micro in micros])
+            for g, lp in zip(groups, refs):
                 for s, row, sl in zip(g, lp, completion_positions(g)):
                     s.ref_logprobs = row[sl].tolist()
         if self.d.algorithm.kl_in == "reward" and self.critic is None:  # with a critic: per token, in gae_advantages

@@ -10,7 +10,7 @@ Invariants:
 
 The reference model for a KL penalty is a :func:`frozen_copy` of the policy taken *before*
 ``deepspeed.initialize`` (a ZeRO-3 engine partitions the module in place, so a later deepcopy would
-copy empty shards).
+copy empty shards); a LoRA policy needs none (the policy with its adapters disabled, :mod:`dsrl.rl.lora`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def build_model(
     ``model_cfg`` is a :class:`dsrl.config.ModelConfig`. With ``model_cfg.path`` the checkpoint is
     loaded from that local directory; otherwise a tiny ``model_cfg.arch`` model is initialised from
     ``seed`` (identical on every rank). ``vocab_size`` and the special token ids only apply to the
-    tiny model; a checkpoint keeps its own. The caller (DeepSpeed) moves the model to the device.
+    tiny model; a checkpoint keeps its own. With ``model_cfg.lora`` the result is a PEFT model whose
+    adapters (drawn from ``seed``) are its only trainable parameters (:mod:`dsrl.rl.lora`). The caller
+    (DeepSpeed) moves the model to the device.
     """
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +98,10 @@ def build_model(
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if model_cfg.lora is not None:  # adapters as the only trainable parameters (dsrl.rl.lora)
+        from dsrl.rl.lora import apply_lora
+
+        model = apply_lora(model, model_cfg.lora, seed=seed, base_path=model_cfg.path)
     model.train()
     return model
 

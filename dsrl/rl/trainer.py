@@ -119,12 +119,17 @@ class Trainer:
         check_free_space(self.run_dir, model, d.run)
         if d.rollout.backend == VLLM_BACKEND and role is None:  # with generator ranks, they check it themselves
             self._check_vllm(model)
-        self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 else None
+        # The KL reference: a frozen copy, or for LoRA the policy itself with its adapters disabled (no copy).
+        self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 and d.model.lora is None else None
         self.rl: RLEngine = initialize(model, spec)
         self.plan = self.rl.plan
         self.device = self.rl.device
         if self.ref_model is not None:
             self.ref_model = frozen_engine(self.ref_model, self.rl, self.device)
+        elif d.algorithm.kl_coef > 0:
+            from dsrl.rl.lora import AdaptersDisabled
+
+            self.ref_model = AdaptersDisabled(self.rl)
         self.reward_model = None
         if d.data.reward_model:
             from dsrl.rl.reward_model import RewardModel

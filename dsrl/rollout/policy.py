@@ -8,7 +8,11 @@ Shared by every backend that generates with (or copies weights from) the trainer
   hooks suspended), so every data-parallel rank must enter it the same number of times;
 - :func:`neutral_generation_config` hides the model's own ``generation_config`` so only dsrl's rollout
   settings shape the sampling;
-- :class:`TensorPeersStop` ends a row on every AutoTP peer at the same step.
+- :class:`TensorPeersStop` ends a row on every AutoTP peer at the same step;
+- a LoRA policy (a PEFT model, ``dsrl.model.lora``) is seen as the transformers model PEFT wraps, whose layers
+  carry the adapters: ``hf``/``cb`` generate through the adapted model, and :func:`generation_weights` gives a
+  backend with its own copy of the weights (``vllm``) the merged weights ``W + (alpha/r) B A`` under the plain
+  model's names, computed beside the trained tensors, which are never modified.
 """
 
 from __future__ import annotations
@@ -21,15 +25,83 @@ import torch
 
 
 def unwrap(engine_or_module: Any) -> tuple[torch.nn.Module, Any]:
-    """(the torch module, the DeepSpeedEngine or None) for an RLEngine, a DeepSpeedEngine or a module."""
+    """(the torch module, the DeepSpeedEngine or None) for an RLEngine, a DeepSpeedEngine or a module; a PEFT
+    model is replaced by the transformers model it wraps (its layers hold the adapters)."""
     inner = getattr(engine_or_module, "engine", None)
     if inner is not None and hasattr(inner, "zero_optimization_stage"):  # dsrl.RLEngine
         engine_or_module = inner
     if hasattr(engine_or_module, "zero_optimization_stage"):
-        return engine_or_module.module, engine_or_module
+        return peft_inner(engine_or_module.module), engine_or_module
     if isinstance(engine_or_module, torch.nn.Module):
-        return engine_or_module, None
+        return peft_inner(engine_or_module), None
     raise TypeError(f"expected a dsrl.RLEngine, a DeepSpeedEngine or a torch module, got {type(engine_or_module)}")
+
+
+def peft_inner(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT model (the module itself otherwise). PEFT injects its adapter layers
+    into that model in place, so it computes with the adapters, and it holds every parameter of the PEFT model."""
+    get_base = getattr(module, "get_base_model", None)
+    return get_base() if hasattr(module, "peft_config") and callable(get_base) else module
+
+
+_ADAPTER_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"})
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    return (hasattr(module, "base_layer") and callable(getattr(module, "get_delta_weight", None))
+            and hasattr(module, "lora_A"))
+
+
+def _is_saved_copy(module: torch.nn.Module) -> bool:
+    """A PEFT ``modules_to_save`` wrapper: a frozen ``original_module`` and a trained copy per adapter."""
+    return hasattr(module, "original_module") and isinstance(getattr(module, "modules_to_save", None),
+                                                              torch.nn.ModuleDict)
+
+
+def _computing_copy(wrapper: torch.nn.Module) -> str:
+    """The sub-module a ``modules_to_save`` wrapper computes with: its adapter's trained copy, or the original when
+    adapters are disabled (the same rule as the wrapper's forward)."""
+    active = list(getattr(wrapper, "active_adapters", []) or [])
+    if wrapper.disable_adapters or not active or any(a not in wrapper.modules_to_save for a in active):
+        return "original_module"
+    return f"modules_to_save.{active[0]}"
+
+
+@torch.no_grad()
+def generation_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The weights ``module`` computes with, as ``(name, tensor)`` pairs of its ``state_dict`` (tied heads
+    included). For a model carrying LoRA adapters (:func:`peft_inner` of a PEFT model): the plain model's names,
+    each adapted layer's weight ``W + sum over its active adapters of get_delta_weight`` (a new tensor: ``W`` and
+    the adapters are untouched; disabled adapters add nothing), the copy a ``modules_to_save`` wrapper computes
+    with, no adapter tensors. Under ZeRO-3 call it inside :func:`gathered_for_generation`."""
+    state = module.state_dict()
+    layers = {name: m for name, m in module.named_modules() if _is_lora_layer(m)}
+    wrappers = {name: _computing_copy(m) for name, m in module.named_modules() if _is_saved_copy(m)}
+    if not layers and not wrappers:
+        return [(name, t.detach()) for name, t in state.items()]
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        parts = key.split(".")
+        if _ADAPTER_PARTS.intersection(parts):
+            continue
+        owner = next((w for w in wrappers if key.startswith(f"{w}.")), None)
+        if owner is not None:  # keep only the copy the wrapper computes with, under the wrapped module's name
+            inner = key[len(owner) + 1:]
+            if not inner.startswith(f"{wrappers[owner]}."):
+                continue
+            key = f"{owner}.{inner[len(wrappers[owner]) + 1:]}"
+        out[key.replace(".base_layer.", ".")] = t.detach()
+    for name, layer in layers.items():
+        if layer.disable_adapters or getattr(layer, "merged", False):
+            continue  # the base layer alone computes (disabled), or already holds the delta (merged)
+        active = [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
+        if not active:
+            continue
+        key = f"{name}.weight"
+        weight = out[key]
+        delta = sum(layer.get_delta_weight(a) for a in active)
+        out[key] = (weight + delta.to(weight.dtype)).detach()
+    return list(out.items())
 
 
 def _zero3_offload(ds_engine: Any) -> Any:

@@ -16,8 +16,9 @@ Contract (beyond :mod:`dsrl.rollout.base`):
 - vLLM keeps its own copy of the weights: :meth:`VLLMRolloutBackend.sync_weights` (every rank, before each
   rollout's generation; under ZeRO-3 one parameter gather, a collective) reloads them in place through vLLM's
   ``reload_weights`` with the policy's full ``state_dict`` (tied output heads included: vLLM's CPU kernels keep
-  a packed copy of the head that only a weight named ``lm_head.weight`` refreshes) and drops the prefix cache
-  (its KV blocks were computed with the old weights);
+  a packed copy of the head that only a weight named ``lm_head.weight`` refreshes; a LoRA policy sends its merged
+  weights, :func:`dsrl.rollout.policy.generation_weights`) and drops the prefix cache (its KV blocks were computed
+  with the old weights);
 - sampling is seeded per prompt from the rollout's seed and the prompt's index (vLLM's sample j of a request
   uses seed + j, so requests are spaced by G), so results do not depend on how prompts are batched;
 - the behavior log-probs are vLLM's ``processed_logprobs``: the log-prob of each sampled token under the
@@ -49,7 +50,7 @@ import torch
 from dsrl.config import ConfigError
 from dsrl.core.seeds import derived_seed
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, stop_token_ids
-from dsrl.rollout.policy import gathered_for_generation, unwrap
+from dsrl.rollout.policy import gathered_for_generation, generation_weights, unwrap
 
 log = logging.getLogger("dsrl.rollout.vllm")
 INSTALL_HINT = ("rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: pip install 'dsrl[vllm]' on a "
@@ -157,7 +158,8 @@ class VLLMRolloutBackend(RolloutBackend):
         on_cpu = param.device.type == "cpu"
         check_servable(self.module.config, on_cpu)
         dtype = dtype or str(param.dtype).removeprefix("torch.")
-        if dist.is_initialized():  # the trainer's group exists (of any size): vLLM must not start its own
+        self._trainer_group = dist.is_initialized()  # else vLLM starts (and on close destroys) a group of its own
+        if self._trainer_group:  # the trainer's group exists (of any size): vLLM must not start its own
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
         if on_cpu:
             kv_bytes = self._cpu_kv_cache_bytes(max_model_len, param.element_size())
@@ -234,25 +236,29 @@ class VLLMRolloutBackend(RolloutBackend):
         """Reload the policy's current weights into vLLM in place (a collective under ZeRO-3: call on every rank)
         and drop the prefix cache."""
         with torch.no_grad(), gathered_for_generation(self.module, self.ds_engine):
-            weights = [(name, t.detach()) for name, t in self.module.state_dict().items()]
+            weights = generation_weights(self.module)  # LoRA: the merged weights, computed beside the trained ones
             with preserved_process_state():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         self.synced = True
 
     def close(self) -> None:
-        """Shut the engine down, keeping the trainer's default process group (vLLM's shutdown would destroy it)."""
+        """Shut the engine down, keeping the trainer's default process group (vLLM's shutdown would destroy it);
+        a group vLLM started itself (no trainer group existed) goes with the engine."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         import torch.distributed as dist
 
         destroy = dist.destroy_process_group
-        dist.destroy_process_group = lambda group=None: None if group is None else destroy(group)
+        if self._trainer_group:
+            dist.destroy_process_group = lambda group=None: None if group is None else destroy(group)
         try:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
         finally:
             dist.destroy_process_group = destroy
             self.llm = None
+            if not self._trainer_group and dist.is_initialized():
+                destroy()
             self._config_dir.cleanup()

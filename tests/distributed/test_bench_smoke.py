@@ -2,7 +2,8 @@
 noticing): ``python bench/gpu.py --smoke --no-record`` runs every GPU benchmark part (bench/rollout.py with both
 cb attentions, bench/e2e.py with its profiled rollout, bench/logprobs.py, bench/overhead.py, bench/throughput.py,
 bench/optim.py, bench/mismatch.py) on tiny shapes on the CPU, each in its own bounded process, and must settle
-every part as run or skipped with a reason, without touching docs/benchmarks.md. Timing is not checked."""
+every part as run or skipped with a reason, without touching docs/benchmarks.md; bench/lora.py's smallest
+configuration runs too. Timing is not checked."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -89,3 +92,11 @@ def test_auto_rederivation_flags_disagreements():
     disagree = {**agree, "rates": {"hf": [500.0], "cb/model": [400.0], "cb/varlen": [250.0]}}
     rows, flags = auto_rows([disagree], "cpu")
     assert any("backend: hf 2.00x" in f for f in flags) and any("cb_attention: model 1.60x" in f for f in flags)
+
+
+def test_lora_bench_runs():
+    """bench/lora.py's smallest configuration (LoRA vs full on the tiny shape, ZeRO-2, one spawned rank)."""
+    pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
+    out = run(["bench/lora.py", "--shape", "tiny", "--ranks", "1", "--zero_stages", "2", "--steps", "2", "--seq_len",
+               "16", "--micro", "2", "--accum", "1", "--no-record"], timeout=300).stdout
+    assert "optimizer state LoRA/full" in out and "| ZeRO-2 | lora |" in out

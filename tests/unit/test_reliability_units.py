@@ -147,6 +147,20 @@ def test_fresh_start_or_foreign_or_older_resume_is_refused_unless_overwrite(tmp_
     assert run.resume is None and not (out / "metrics.jsonl").exists() and not os.listdir(out / "checkpoints")
 
 
+def test_overwrite_with_resume_auto_starts_over(tmp_path):
+    """--overwrite under the default --resume auto discards the run; it does not continue from its newest."""
+    out = tmp_path / "run"
+    make_checkpoint(out / "checkpoints", "rollout1")
+    make_checkpoint(out / "checkpoints", "rollout2")
+    (out / "metrics.jsonl").write_text('{"event": "step"}\n')
+    run = run_dir.open_run_dir(run_cfg(out, "auto"))
+    run.release()
+    assert run.resume.tag == "rollout2"  # without --overwrite, auto continues
+    run = run_dir.open_run_dir(run_cfg(out, "auto", overwrite=True))
+    run.release()
+    assert run.resume is None and not (out / "metrics.jsonl").exists() and not os.listdir(out / "checkpoints")
+
+
 def test_output_dir_kinds_and_writability(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigError, match="is an existing file, not a directory"):

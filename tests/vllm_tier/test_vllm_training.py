@@ -1,4 +1,5 @@
-"""configs/tiny_grpo_vllm_cpu.json trains through vLLM on 2 CPU ranks, under ZeRO-2 and ZeRO-3.
+"""configs/tiny_grpo_vllm_cpu.json trains through vLLM on 2 CPU ranks, under ZeRO-2 and ZeRO-3 (and with LoRA
+adapters under ZeRO-3).
 
 Each rollout's behavior log-probs come from vLLM after the weight sync and are compared with the trainer's
 recomputed log-probs of the same tokens (``rollout_logprob_abs_diff``): a sync that missed a weight (or,
@@ -19,10 +20,15 @@ MISMATCH_KEYS = ("rollout_logprob_abs_diff", "rollout_kl", "is_weight_max", "is_
                  "staleness_mean", "staleness_max")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_short_run_through_vllm_with_the_mismatch_measured(tmp_path, stage):
+@pytest.mark.parametrize("stage,lora", [(2, False), (3, False), (3, True)])
+def test_short_run_through_vllm_with_the_mismatch_measured(tmp_path, stage, lora):
+    """(With ``lora``: a LoRA policy, whose syncs send merged weights gathered under ZeRO-3.)"""
+    if lora:
+        pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
     raw = json.loads((REPO / "configs" / "tiny_grpo_vllm_cpu.json").read_text())
     raw["zero_optimization"]["stage"] = stage
+    if lora:
+        raw["dsrl"]["model"]["lora"] = {"r": 4, "alpha": 8.0}
     raw["dsrl"]["algorithm"]["rollout_correction"] = {"mode": "tis", "level": "token", "cap": 2.0}
     run = tmp_path / "run.json"
     run.write_text(json.dumps(raw))

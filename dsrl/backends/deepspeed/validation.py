@@ -76,6 +76,8 @@ def validated_deepspeed_config(
     """The ds_config for ``deepspeed.initialize`` and the LR schedule spec, both checked by DeepSpeed's
     own code (module docstring) before any work; every problem is a ConfigError naming the field."""
     ds = resolve_deepspeed_config(cfg, plan, on_gpu=on_gpu, bf16_supported=bf16_supported)
+    if cfg.dsrl.model.lora is not None:
+        check_lora_run(ds)
     with deepspeed_warnings() as warned:
         ds_cfg = check_with_deepspeed(ds, mpu=mpu, client_optimizer=client_optimizer)
         optimizer = None
@@ -86,6 +88,29 @@ def validated_deepspeed_config(
     for text in warned:  # DeepSpeed's warnings about a valid config (deprecated keys, ZeRO with an
         logging.getLogger("dsrl").warning("DeepSpeed: %s", text)  # untested optimizer) reach the user
     return ds, spec
+
+
+def check_lora_run(ds_config: dict[str, Any]) -> None:
+    """With ``dsrl.model.lora``: PEFT is installed, and the layout is one LoRA runs under (AutoTP and AutoEP
+    replace the layers the adapters wrap with their own; docs/lora.md)."""
+    import importlib.util
+
+    from dsrl.backends.deepspeed.autoep import expert_parallel_enabled
+    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: pip install "
+                          "'dsrl[lora]' (peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every parameter.")
+
+    tp = tensor_parallel_size(ds_config)
+    if tp > 1:
+        raise ConfigError(f"dsrl.model.lora with tensor_parallel.autotp_size = {tp}: AutoTP replaces the linear "
+                          "layers the LoRA adapters wrap with its own sharded layers. Fix: set autotp_size to 1 and "
+                          "let ZeRO-3 shard the frozen base weights, or remove dsrl.model.lora.")
+    if expert_parallel_enabled(ds_config):
+        raise ConfigError("dsrl.model.lora with an expert_parallel section: AutoEP replaces the expert layers the "
+                          "LoRA adapters would wrap. Fix: remove expert_parallel (ZeRO-3 shards the frozen experts), "
+                          "or remove dsrl.model.lora.")
 
 
 def accelerator_is_gpu() -> bool:
