@@ -94,12 +94,27 @@ def violations(root: pathlib.Path = ROOT) -> list[str]:
     return found
 
 
+PACKAGE_ABBREVIATIONS = {"deepspeed": ("ds",), "megatron": ("mcore", "mg"), "checkpoint": ("ckpt",),
+                         "config": ("cfg",)}
+
+
+def repeats_its_package(mod: str) -> bool:
+    """``dsrl.backends.deepspeed.ds_validation`` or ``dsrl.config.config_errors``: the prefix stands in for the
+    package the module already lives in."""
+    parts = mod.split(".")
+    first = parts[-1].split("_")[0]
+    return any(first == pkg or first in PACKAGE_ABBREVIATIONS.get(pkg, ()) for pkg in parts[1:-1])
+
+
 def misplaced(root: pathlib.Path = ROOT) -> list[str]:
-    """Modules outside the §4 packages and packages whose __init__ has no docstring."""
+    """Modules outside the §4 packages, module names that repeat their package, and packages whose __init__ has
+    no docstring."""
     out = []
     for mod, path in _modules(root).items():
         if package_of(mod) is None and mod not in TOP_LEVEL:
             out.append(f"{mod}: not in one of the packages of ARCHITECTURE §4")
+        if path.name != "__init__.py" and repeats_its_package(mod):
+            out.append(f"{mod}: its name repeats its package")
         if path.name == "__init__.py" and ast.get_docstring(ast.parse(path.read_text())) is None:
             out.append(f"{mod}: its __init__.py has no docstring saying what it owns and may import")
     return out
@@ -194,6 +209,10 @@ def test_the_circle_check_fails_on_a_planted_circle(planted):
 def test_the_placement_check_fails_on_a_planted_module(planted):
     (planted / "helpers.py").write_text('"""A flat module."""\n')
     (planted / "rl" / "__init__.py").write_text("")
-    assert sorted(misplaced(planted)) == ["dsrl.helpers: not in one of the packages of ARCHITECTURE §4",
+    (planted / "backends" / "deepspeed" / "ds_validation.py").write_text('"""A prefixed module."""\n')
+    (planted / "config" / "config_errors.py").write_text('"""A prefixed module."""\n')
+    assert sorted(misplaced(planted)) == ["dsrl.backends.deepspeed.ds_validation: its name repeats its package",
+                                          "dsrl.config.config_errors: its name repeats its package",
+                                          "dsrl.helpers: not in one of the packages of ARCHITECTURE §4",
                                           "dsrl.rl: its __init__.py has no docstring saying what it owns and may "
                                           "import"]
