@@ -213,11 +213,19 @@ class Trainer:
                      self.rollout_index, self.rl.optimizer_steps)
         return True
 
-    def save(self) -> None:
+    def _stream_state(self) -> dict[str, Any]:
+        """What continues the run exactly besides the engines: the prompt stream, the call counter, the RNGs."""
+        return {"calls": self.calls, "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate()}
+
+    def save(self, stream: dict[str, Any] | None = None) -> None:
+        """Commit checkpoint ``rollout{rollout_index}``; ``stream`` (from :meth:`_stream_state`) is the state at the
+        boundary after that rollout when the live state has moved past it (prompts drawn for the next rollout)."""
+        stream = stream or self._stream_state()
         tag = f"rollout{self.rollout_index}"
-        client = {"rollout": self.rollout_index, "calls": self.calls, "sampler": self.sampler.state_dict(),
+        client = {"rollout": self.rollout_index, "calls": stream["calls"], "sampler": stream["sampler"],
                   "version": self.rollout_index}  # the policy version the saved weights are (weight syncs so far)
-        rank_state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+        rank_state = {"torch_rng": stream["torch_rng"], "python_rng": stream["python_rng"]}
         t0 = time.perf_counter()
         with self.watch.phase("save"):
             save_engines(self.rl, self.ckpt_dir, tag, client_state=client, rank_state=rank_state,
@@ -377,10 +385,11 @@ class Trainer:
         while self.rollout_index < plan.rollouts:
             self._rollout_calls = self.calls
             self.stop.new_rollout()
+            boundary = self._stream_state()  # make() draws the next prompts: a stop inside it commits this state
             try:
                 local, stats, rounds = self.experience.make(self.rollout_index)
             except GenerationStopped as e:
-                self._stop_without_generation(e)
+                self._stop_without_generation(e, boundary)
                 self._log_stop(mid_rollout=False)
                 return summary
             log.debug("rank %d rollout %d: %d local samples (%d masked), %d sampling rounds, %.2fs", self.rank,
@@ -422,11 +431,12 @@ class Trainer:
         self._finished_here = self.rollout_index == plan.rollouts and self.rollout_index > start
         return summary
 
-    def _stop_without_generation(self, e: GenerationStopped) -> None:
+    def _stop_without_generation(self, e: GenerationStopped, boundary: dict[str, Any]) -> None:
         """The generator ranks are gone (or a stop came while waiting for them): commit the trainer side's state
-        (every rollout trained so far) unless the newest checkpoint already holds it, then end the run."""
+        (every rollout trained so far, and the prompt stream and RNGs as they were before the unfinished rollout
+        drew from them) unless the newest checkpoint already holds it, then end the run."""
         if latest_complete_tag(self.ckpt_dir) != f"rollout{self.rollout_index}":
-            self.save()
+            self.save(boundary)
         if self.rank == 0:
             log.warning("%s; checkpoint %s", e, os.path.join(self.ckpt_dir, f"rollout{self.rollout_index}"))
         if not e.requested:

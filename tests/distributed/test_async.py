@@ -104,16 +104,21 @@ def test_k0_is_bitwise_the_colocated_run_also_after_a_killed_generator(tmp_path)
     colocated, split = tmp_path / "colocated", tmp_path / "split"
     launch(["launch/train.py", "--ds_config", str(_run_file(tmp_path, False)), *ARGS, "--dsrl.run.output_dir",
             str(colocated)], nprocs=2, timeout=600)
-    run = ["--ds_config", str(_run_file(tmp_path, True, k=0)), *ARGS, "--dsrl.run.output_dir", str(split)]
+    # no periodic checkpoint: the one resumed from is the trainer side's commit when the generator was lost, taken
+    # after the next rollout's prompts were drawn (it must hold the stream as it was before that draw)
+    run = ["--ds_config", str(_run_file(tmp_path, True, k=0)), *ARGS, "--dsrl.run.output_dir", str(split),
+           "--dsrl.run.save_every", "1000"]
     job = _start(run, nprocs=3)
-    _after_rollout(job, split, 3)
+    _after_rollout(job, split, 2)  # a tiny rollout takes well under a second on a fast machine: kill early
     _rank_process(job, 2).kill()  # the generator, SIGKILL
     code, text = _finish(job)
     assert code != 0, text[-2000:]
     assert "generator 0 (rank 2 on host" in text or "a stop was requested while the trainers waited" in text, \
         text[-3000:]
-    saved = sorted(p.name for p in (split / "checkpoints").iterdir() if p.name.startswith("rollout"))
-    assert saved and saved[-1] in ("rollout3", "rollout4"), saved  # the trainer side's state when it stopped
+    trained = max(r["rollout"] for r in _rows(split, "rollout"))
+    assert 2 <= trained < 6, trained
+    latest = (split / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"rollout{trained}", (latest, trained)  # the trainer side's state when it stopped
     launch(["launch/train.py", *run, "--resume", "auto"], nprocs=3, timeout=600)
     for event in ("sft", "step", "rollout"):
         want, got = _rows(colocated, event), _rows(split, event)
