@@ -187,6 +187,9 @@ def rank_main(rank: int, world: int, port: int, path: str, args: Any, out_dir: s
     Path(out_dir, f"{path}-{world}-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    from dsrl.runtime.process_exit import leave
+
+    leave(0)  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)
 
 
 # -- the run ------------------------------------------------------------------------------------------

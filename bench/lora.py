@@ -124,6 +124,9 @@ def rank_main(rank: int, world: int, port: int, mode: str, stage: int, args: Any
     import torch.distributed as dist
 
     dist.barrier()
+    from dsrl.runtime.process_exit import leave
+
+    leave(0)  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)
 
 
 def _free_port() -> int:

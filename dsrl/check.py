@@ -3,9 +3,8 @@
 A thin entry kept at this path (architecture §5); the work is :mod:`dsrl.cli.check`'s.
 """
 
-import sys
-
 from dsrl.cli.check import main
+from dsrl.runtime.process_exit import leave
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)

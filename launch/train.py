@@ -19,6 +19,7 @@ import sys
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.config import ConfigError, parse_override_args
 from dsrl.core.errors import CollectiveTimeout, RunError
+from dsrl.runtime.process_exit import leave
 from dsrl.runtime.stop import InterruptedStartup
 
 
@@ -77,11 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leave(code: int) -> None:
-    release_all()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """End now, without interpreter finalization (:mod:`dsrl.runtime.process_exit`); the output lock is released."""
+    leave(code, [release_all])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _leave(main())

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -507,4 +506,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dsrl.runtime.process_exit import leave
+
+    leave(main())  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)

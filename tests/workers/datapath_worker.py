@@ -30,4 +30,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dsrl.runtime.process_exit import leave
+
+    leave(main())  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)

@@ -141,4 +141,7 @@ def run_stage(stage: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from dsrl.runtime.process_exit import leave
+
     main()
+    leave(0)  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)
