@@ -162,14 +162,16 @@ def test_a_hung_generator_is_named_and_the_trainers_checkpoint(tmp_path, bound):
                   "--dsrl.run.collective_timeout_s", str(bound), "--dsrl.data.reward_timeout_s", "10",
                   "--dsrl.run.rollouts", "40"], nprocs=3)  # cannot finish before the SIGSTOP lands
     _after_rollout(job, out, 2)
-    generator = _rank_process(job, 2)
+    generator, trainers = _rank_process(job, 2), [_rank_process(job, r) for r in (0, 1)]
     generator.suspend()  # SIGSTOP: alive, silent
     t0 = time.monotonic()
     try:
-        code, text = _finish(job, timeout=bound * 6)  # the launcher SIGKILLs the stopped generator after 30 s
+        _, alive = psutil.wait_procs(trainers, timeout=bound * 2)  # 0.9 x bound, then a checkpoint
+        generator.kill()  # the launcher would SIGKILL the stopped generator only 30 s after the trainers left
+        code, text = _finish(job, timeout=bound * 6)
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             generator.kill()
-    assert code == 1 and time.monotonic() - t0 < bound * 6, text[-3000:]
+    assert not alive and code == 1 and time.monotonic() - t0 < bound * 3, text[-3000:]
     assert "generator 0 (rank 2 on host" in text and "sent no samples for rollout" in text, text[-3000:]
     assert (out / "checkpoints" / "latest").exists()
