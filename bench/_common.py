@@ -244,6 +244,29 @@ def report(title: str, body: str, dry_run: bool = False) -> None:
         record(title, command_line(), body)
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (for a spawned job's MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def end_rank(path: str | Path, result: dict) -> None:
+    """A spawned bench rank's last act: write its result, wait for its peers, then end without interpreter
+    finalization (a gloo worker thread can abort it there: dsrl/runtime/process_exit.py)."""
+    import json
+
+    import torch.distributed as dist
+
+    from dsrl.runtime.process_exit import leave
+
+    Path(path).write_text(json.dumps(result))
+    dist.barrier()
+    leave(0)
+
+
 def init_ranks() -> tuple[int, int, bool, Any]:
     """Initialise torch.distributed through dsrl; (rank, world size, on a GPU, training dtype)."""
     import torch

@@ -37,14 +37,13 @@ import hashlib
 import json
 import os
 import pickle
-import socket
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from _common import report, rl_lengths, table
+from _common import end_rank, free_port, report, rl_lengths, table
 
 VOCAB = 151_936
 TARGET = 0.10
@@ -184,21 +183,10 @@ def rank_main(rank: int, world: int, port: int, path: str, args: Any, out_dir: s
               "trained_codec_bytes": sum(len(encode_sample(samples[i])) for i in trained),
               "trained_pickle_bytes": sum(len(pickle.dumps(samples[i])) for i in trained),
               "local": [[len(s.tokens), s.completion_len, len(encode_sample(s)), len(pickle.dumps(s))] for s in local]}
-    Path(out_dir, f"{path}-{world}-{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    from dsrl.runtime.process_exit import leave
-
-    leave(0)  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)
+    end_rank(Path(out_dir, f"{path}-{world}-{rank}.json"), result)
 
 
 # -- the run ------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fit(rows: list[list[int]], col: int) -> tuple[float, float, float]:
@@ -245,7 +233,7 @@ def main() -> None:
         for world in ranks:
             got = {}
             for path in ("all-gather", "all-to-all"):
-                mp.spawn(rank_main, args=(world, _free_port(), path, args, out_dir), nprocs=world, join=True)
+                mp.spawn(rank_main, args=(world, free_port(), path, args, out_dir), nprocs=world, join=True)
                 got[path] = [json.loads(Path(out_dir, f"{path}-{world}-{r}.json").read_text()) for r in range(world)]
             local = [x for res in got["all-to-all"] for x in res["local"]]
             fit_rows = fit_rows or local

@@ -48,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from _common import EOS, REPO, SHAPES, long_tailed_model, report, serve_biased_head
+from _common import EOS, REPO, SHAPES, free_port, long_tailed_model, report, serve_biased_head
 from _e2e_report import census_table, combine, results_table
 from _profile import PHASES, PhaseProfiler, format_profile, memory_census
 
@@ -396,7 +396,7 @@ def run_worker(side: str, w: Workload, timeout: float | None = None) -> dict[str
     with tempfile.TemporaryDirectory(prefix="e2e_worker_") as tmp:
         path = os.path.join(tmp, "out.json")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
                "LOCAL_RANK": "0", "TOKENIZERS_PARALLELISM": "false"}
         if w.device == "cpu":  # the same intra-op threads on both sides (accelerate would pick its own)
             env.setdefault("OMP_NUM_THREADS", "1")
@@ -418,12 +418,6 @@ def run_worker(side: str, w: Workload, timeout: float | None = None) -> dict[str
         return data
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import PAD, REPO, SHAPES, make_micro, per_token_nll, report, table
+from _common import PAD, REPO, SHAPES, end_rank, free_port, make_micro, per_token_nll, report, table
 
 BOS, EOS = 1, 2
 
@@ -120,19 +119,7 @@ def rank_main(rank: int, world: int, port: int, mode: str, stage: int, args: Any
               "step_s": sum(times[1:]) / max(1, len(times) - 1)}
     if gpu:
         result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() - base_gpu
-    Path(out_dir, f"{mode}-{stage}-{rank}.json").write_text(json.dumps(result))
-    import torch.distributed as dist
-
-    dist.barrier()
-    from dsrl.runtime.process_exit import leave
-
-    leave(0)  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    end_rank(Path(out_dir, f"{mode}-{stage}-{rank}.json"), result)
 
 
 def _mib(x: float) -> str:
@@ -165,7 +152,7 @@ def main() -> None:
         for stage in stages:
             got = {}
             for mode in ("full", "lora"):
-                mp.spawn(rank_main, args=(args.ranks, _free_port(), mode, stage, args, out_dir), nprocs=args.ranks,
+                mp.spawn(rank_main, args=(args.ranks, free_port(), mode, stage, args, out_dir), nprocs=args.ranks,
                          join=True)
                 got[mode] = [json.loads(Path(out_dir, f"{mode}-{stage}-{r}.json").read_text())
                              for r in range(args.ranks)]

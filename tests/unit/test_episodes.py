@@ -65,6 +65,17 @@ class Echo:
         return {"observation": f"={len(turn.token_ids)}\n", "reward": 0.25}
 
 
+class ByText(Echo):
+    """An episode whose observations and final reward depend on the generated text (backends must agree on it)."""
+
+    stop = 3
+
+    def step(self, turn):
+        if turn.index >= self.stop:
+            return {"reward": float(len(turn.text)), "done": True}
+        return {"observation": f"={len(turn.token_ids)}{turn.text[:2]}\n", "reward": 0.1 * turn.index}
+
+
 def runner(backend, factory=Echo, max_turns=4, max_tokens=64) -> EpisodeRunner:
     env = EnvironmentCaller(factory, "tests:Echo")
     return EpisodeRunner(backend, TOK, env, ObservationEncoder(TOK, False), max_turns, max_tokens)
@@ -157,14 +168,6 @@ def test_greedy_trajectories_equal_on_hf_and_cb(arch):
         model.lm_head.weight[EOS] *= 6.0  # some turns end at eos, others at max_new_tokens
     cfg = RolloutConfig.model_construct(**{**RolloutConfig(max_new_tokens=6).model_dump(), "temperature": 0.0,
                                            "generation_batch_size": 2})
-
-    class ByText(Echo):
-        stop = 3
-
-        def step(self, turn):
-            if turn.index >= self.stop:
-                return {"reward": float(len(turn.text)), "done": True}
-            return {"observation": f"={len(turn.token_ids)}{turn.text[:2]}\n", "reward": 0.1 * turn.index}
 
     prompts = [TOK(p)["input_ids"] for p in ("ab =", "c =", "reverse: abc =")]
     records = [{"prompt": "x", "answer": "y"}] * 3

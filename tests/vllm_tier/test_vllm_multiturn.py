@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM tier runs in
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit"))
 
 from conftest import REPO, launch  # noqa: E402
-from test_episodes import TOK, Echo, runner  # noqa: E402
+from test_episodes import TOK, ByText, runner  # noqa: E402
 
 from dsrl.config import ModelConfig, RolloutConfig  # noqa: E402
 from dsrl.rl.models import build_model  # noqa: E402
@@ -34,14 +34,6 @@ def test_greedy_trajectories_equal_on_hf_and_vllm():
         model.lm_head.weight[TOK.eos_token_id] *= 6.0
     cfg = RolloutConfig.model_construct(**{**RolloutConfig(max_new_tokens=6, stop_strings=["]"]).model_dump(),
                                            "temperature": 0.0})
-
-    class ByText(Echo):
-        stop = 3
-
-        def step(self, turn):
-            if turn.index >= self.stop:
-                return {"reward": float(len(turn.text)), "done": True}
-            return {"observation": f"={len(turn.token_ids)}{turn.text[:2]}\n", "reward": 0.1 * turn.index}
 
     prompts = [TOK(p)["input_ids"] for p in ("ab =", "c =", "reverse: abc =")]
     records = [{"prompt": "x", "answer": "y"}] * 3
