@@ -201,4 +201,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from dsrl.runtime.process_exit import leave
+
     main()
+    leave(0)  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)
