@@ -73,7 +73,7 @@ def build_lm(size: str, max_len: int, dtype: Any, seed: int = 0) -> Any:
 PAD, BOS, EOS = 0, 1, 2  # dsrl's tiny tokenizer
 # Shapes of the generation benchmarks (bench/rollout.py, bench/e2e.py): Qwen2 with an untied head.
 SHAPES = {
-    # dsrl's built-in tiny model (dsrl.rl.models.TINY_DEFAULTS) with a 512-token vocabulary
+    # dsrl's built-in tiny model (dsrl.rl.policy.model.TINY_DEFAULTS) with a 512-token vocabulary
     "tiny": {"vocab": 512, "tiny": {}},
     # the same with head size 32 (2 heads, 1 key/value head), which vLLM's CPU attention kernels serve
     "tiny32": {"vocab": 512, "tiny": dict(num_attention_heads=2, num_key_value_heads=1)},
@@ -93,7 +93,7 @@ def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: s
     import torch
 
     from dsrl.config import ModelConfig
-    from dsrl.rl.models import build_model
+    from dsrl.rl.policy.model import build_model
 
     spec = SHAPES[shape]
     vocab = spec["vocab"]

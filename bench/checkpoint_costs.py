@@ -39,7 +39,7 @@ def main() -> None:
     from dsrl.backends.deepspeed.engine import ensure_distributed
     from dsrl.checkpoint import commit as ckpt
     from dsrl.checkpoint.elastic import _universal_loading, convert_to_universal
-    from dsrl.rl.models import tiny_config
+    from dsrl.rl.policy.model import tiny_config
 
     ensure_distributed()
     rank = dist.get_rank()

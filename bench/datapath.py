@@ -12,7 +12,7 @@ advantage and the policy version. Every source generates its R/D samples, then:
   all-gather: the data path before issue 11 (:class:`AllGatherRollout`, kept here and nowhere in
       the library): every source's samples are all-gathered to every rank as pickled objects and
       each rank keeps the whole rollout;
-  all-to-all: dsrl's path (``dsrl.rl.replica_data.RolloutIndex``): all-gather the lengths and sizes,
+  all-to-all: dsrl's path (``dsrl.rl.data.replica.RolloutIndex``): all-gather the lengths and sizes,
       partition all E*R/B mini-batches (token budget), move each sample once to the ranks that train
       on it.
 
@@ -55,7 +55,7 @@ TARGET = 0.10
 class AllGatherRollout:
     """The whole rollout on every rank: the sources' samples all-gathered as pickled objects.
 
-    Same interface as :class:`dsrl.rl.replica_data.RolloutIndex` (``gather``, ``lengths``, ``size``,
+    Same interface as :class:`dsrl.rl.data.replica.RolloutIndex` (``gather``, ``lengths``, ``size``,
     ``exchange``), so it can stand in for it in the trainer.
     """
 
@@ -68,7 +68,7 @@ class AllGatherRollout:
     def gather(cls, view: Any, local: list[Any]) -> AllGatherRollout:
         import torch.distributed as dist
 
-        from dsrl.rl.replica_data import is_source
+        from dsrl.rl.data.replica import is_source
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(list(local))
@@ -128,7 +128,7 @@ def synthetic_rollout(rollout: int, max_len: int, seed: int) -> tuple[np.ndarray
 def make_samples(indices: range, lengths: np.ndarray, prompts: np.ndarray, seed: int) -> list[Any]:
     """Samples ``indices`` of the synthetic rollout, with the trainer's per-token payload: old and reference
     log-probs, and the rollout backend's behavior log-probs (ARCHITECTURE §8), all float32, and the version."""
-    from dsrl.rl.batching import Sample
+    from dsrl.rl.data.batching import Sample
 
     out = []
     for i in indices:
@@ -147,8 +147,8 @@ def rank_main(rank: int, world: int, port: int, path: str, args: Any, out_dir: s
 
     from dsrl.core.parallel import ParallelView
     from dsrl.core.partition import mini_batches, partition_mini_batch
-    from dsrl.rl.replica_data import RolloutIndex, my_part
-    from dsrl.rl.sample_codec import encode_sample
+    from dsrl.rl.data.codec import encode_sample
+    from dsrl.rl.data.replica import RolloutIndex, my_part
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     view = ParallelView(count_group=None, grad_scale=float(world), data_parallel_size=world, data_parallel_rank=rank)
@@ -265,7 +265,7 @@ def main() -> None:
     per_sample = (f"Measured bytes per sample (least squares over {len(fit_rows)} samples, bytes = a + b * tokens + "
                   f"c * completion tokens): pickled `Sample` a = {fit_p[0]:.0f}, b = {fit_p[1]:.2f}, "
                   f"c = {fit_p[2]:.2f}; "
-                  f"dsrl.rl.sample_codec a = {fit_c[0]:.0f}, b = {fit_c[1]:.2f}, c = {fit_c[2]:.2f}; lengths and sizes "
+                  f"dsrl.rl.data.codec a = {fit_c[0]:.0f}, b = {fit_c[1]:.2f}, c = {fit_c[2]:.2f}; lengths and sizes "
                   f"metadata m = {m:.1f} bytes per sample of the rollout. Peak RSS growth of the worst rank per token "
                   f"it must hold: all-gather k = {max(per_token['all-gather']):.0f} bytes per token of the rollout, "
                   f"all-to-all k = {max(per_token['all-to-all']):.0f} bytes per token of the union of E R/D shares "

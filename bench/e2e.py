@@ -199,12 +199,12 @@ def _profiler_for(w: Workload, index: int, model: Any, clock: PhaseClock) -> Pha
 
 def run_dsrl(w: Workload, out: WorkerOutput) -> None:
     """dsrl's Trainer on one device (ZeRO-1), its own loop body timed phase by phase."""
-    import dsrl.rl.models
+    import dsrl.rl.policy.model
     from dsrl.rl.trainer import Trainer
 
     # The benchmark's model instead of the built-in tiny one (same weights as the TRL side).
     model = bench_model(w)
-    dsrl.rl.models.build_model = lambda *a, **k: model
+    dsrl.rl.policy.model.build_model = lambda *a, **k: model
     if w.backend == "vllm":
         serve_biased_head(model)
     out_dir = tempfile.mkdtemp(prefix="e2e_dsrl_")
@@ -290,8 +290,8 @@ def run_trl(w: Workload, out: WorkerOutput, deepspeed: bool) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from dsrl.config import DataConfig, ModelConfig
-    from dsrl.rl.data import load_prompts
-    from dsrl.rl.tokenizer import load_tokenizer
+    from dsrl.rl.data.prompts import load_prompts
+    from dsrl.rl.policy.tokenizer import load_tokenizer
     from dsrl.tasks import get_task
 
     torch.manual_seed(w.seed)

@@ -74,7 +74,7 @@ def rank_main(rank: int, world: int, port: int, mode: str, stage: int, args: Any
     import dsrl
     from dsrl.backends.deepspeed.engine import ensure_distributed
     from dsrl.config import LoraConfig, ModelConfig
-    from dsrl.rl.models import build_model
+    from dsrl.rl.policy.model import build_model
 
     ensure_distributed()
     spec = SHAPES[args.shape]

@@ -54,7 +54,7 @@ def vllm_skip_reason(shape: str, device: str) -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not importable"
     if device == "cpu":
-        from dsrl.rl.models import TINY_DEFAULTS
+        from dsrl.rl.policy.model import TINY_DEFAULTS
         from dsrl.rollout.vllm import CPU_HEAD_SIZES
 
         spec = {**TINY_DEFAULTS, **SHAPES[shape]["tiny"]}

@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.overwrite:
             overrides["dsrl.run.overwrite"] = True
         from dsrl.config import load_config
-        from dsrl.rl.roles import GENERATOR, split_world
+        from dsrl.rl.disagg.roles import GENERATOR, split_world
         from dsrl.rl.trainer import Trainer
 
         cfg = load_config(args.ds_config, overrides)
         role = split_world(cfg.dsrl)  # disaggregated: the job's last rollout.generator_ranks ranks generate
         if role is not None and role.kind == GENERATOR:
-            from dsrl.rl.generator import GeneratorWorker
+            from dsrl.rl.disagg.generator import GeneratorWorker
 
             _leave(GeneratorWorker(cfg, role).run())
         trainer = Trainer(cfg, resume=args.resume, role=role)

@@ -61,7 +61,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 def sequence_index(loss_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Which sequence of its row every position belongs to, ``[b, t]`` (long, 0-based).
 
-    A padded row holds one sequence (all 0). A packed row (:func:`dsrl.rl.batching.collate_packed`)
+    A padded row holds one sequence (all 0). A packed row (:func:`dsrl.rl.data.batching.collate_packed`)
     holds several whose ``position_ids`` restart at 0: a position starts a new sequence there.
     """
     if position_ids is None:

@@ -46,7 +46,7 @@ def lora_model_for(requested: str, objective: str) -> str:
 
 def with_adapters(model: torch.nn.Module, lora: Any, seed: int) -> torch.nn.Module:
     """``model`` wrapped with the run's adapters (no dropout), every ``B`` drawn from N(0, B_STD^2) with ``seed``."""
-    from dsrl.rl.lora import apply_lora
+    from dsrl.rl.policy.lora import apply_lora
 
     wrapped = apply_lora(model, lora, seed=seed, dropout=0.0)
     g = torch.Generator().manual_seed(seed + 31)

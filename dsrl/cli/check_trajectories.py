@@ -5,8 +5,8 @@ written from the definition.
 Each sequence is a synthetic trajectory: a prompt, then model turns and observation spans. The data covers
 several observation spans per sequence, empty model turns (two observation spans in a row), a trajectory with no
 model token at all, and trajectories that end on an observation. dsrl's side goes through
-:class:`dsrl.rl.trajectory.Trajectory` (``add_model_turn`` / ``add_observation``), its ``Sample`` and
-:func:`dsrl.rl.batching.collate`, exactly as a rollout's trajectories do; the reference mask is computed from the
+:class:`dsrl.rl.episodes.trajectory.Trajectory` (``add_model_turn`` / ``add_observation``), its ``Sample`` and
+:func:`dsrl.rl.data.batching.collate`, exactly as a rollout's trajectories do; the reference mask is computed from the
 segment list alone: input position p counts iff its target (token p + 1) is a model token. The planted bug of
 ``--method count_observations`` trains on the sample with every completion token counted (observations
 included), which the comparison must catch.
@@ -43,8 +43,8 @@ def trajectory_sequences(n: int, seed: int, vocab: int) -> list[dict[str, torch.
     ``planted_mask`` (the planted bug's: every completion token counted)."""
     import dataclasses
 
-    from dsrl.rl.batching import collate
-    from dsrl.rl.trajectory import Trajectory
+    from dsrl.rl.data.batching import collate
+    from dsrl.rl.episodes.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(seed + 15485863)
     out = []

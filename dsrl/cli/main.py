@@ -24,7 +24,7 @@ def _dataset_size(cfg: Config, given: int | None) -> int | None:
     if given is not None:
         return given
     try:
-        from dsrl.rl.data import dataset_size
+        from dsrl.rl.data.prompts import dataset_size
 
         return dataset_size(cfg.dsrl.data)
     except (ImportError, OSError, ValueError):
@@ -47,7 +47,7 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
 
     if world_size <= 0:
         raise ConfigError(f"--world_size {world_size} must be a positive number of ranks")
-    from dsrl.rl.roles import check_layout
+    from dsrl.rl.disagg.roles import check_layout
 
     trainers = trainer_world_size(cfg, world_size)  # disaggregated: the generator ranks do not train
     check_layout(cfg)

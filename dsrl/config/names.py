@@ -2,7 +2,8 @@
 
 Everything that lists loss aggregation modes, algorithms, their defaults, built-in tasks, tiny model
 architectures or prompt file formats reads it from here: the config models (as ``Literal`` types),
-:mod:`dsrl.core.weights`, :mod:`dsrl.algos`, :mod:`dsrl.tasks`, :mod:`dsrl.rl.models`, :mod:`dsrl.rl.data` and the
+:mod:`dsrl.core.weights`, :mod:`dsrl.algos`, :mod:`dsrl.tasks`, :mod:`dsrl.rl.policy.model`,
+:mod:`dsrl.rl.data.prompts` and the
 generated docs/configuration.md.
 """
 
@@ -87,7 +88,7 @@ COLOCATED, DISAGGREGATED = PLACEMENTS
 TaskName = Literal["reverse", "copy", "add", "calculator"]  # dsrl.tasks.TASKS holds exactly these
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 DEFAULT_TASK: TaskName = "reverse"  # prompts come from it when neither dsrl.data.task nor data.path is set
-TinyArch = Literal["llama", "qwen2"]  # dsrl.rl.models.tiny_config builds exactly these
+TinyArch = Literal["llama", "qwen2"]  # dsrl.rl.policy.model.tiny_config builds exactly these
 TINY_ARCHS: tuple[str, ...] = get_args(TinyArch)
 # Prompt file suffix -> the datasets builder that reads it (dsrl.data).
 PROMPT_FILE_FORMATS: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -189,7 +189,7 @@ class DsrlConfig(Section):
 
     @property
     def multi_turn(self) -> bool:
-        """Whether samples are multi-turn trajectories (``data.environment`` is set; dsrl.rl.episodes)."""
+        """Whether samples are multi-turn trajectories (``data.environment`` is set; dsrl.rl.episodes.driver)."""
         return self.data.environment is not None
 
     @property

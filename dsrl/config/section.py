@@ -12,7 +12,7 @@ Invariants kept by :class:`Section` (and so by every section):
 
 The rules that need the world size live in :mod:`dsrl.core.plan`, those that need the scheduler
 horizon in :mod:`dsrl.backends.deepspeed.schedule`, those that need the data files in
-:mod:`dsrl.rl.data`, and the DeepSpeed half is validated by DeepSpeed's own classes
+:mod:`dsrl.rl.data.prompts`, and the DeepSpeed half is validated by DeepSpeed's own classes
 (:mod:`dsrl.backends.deepspeed.validation`).
 """
 

@@ -21,7 +21,7 @@ exact step (:mod:`dsrl.core.step`) needs:
 With tensor parallelism the count group stays the data(-sequence)-parallel group and D =
 world / (tp * sp * pp): the fields above already say so, whichever backend provides the TP.
 Which rank generates, keeps and trains on which data follows from these fields in one place,
-:mod:`dsrl.rl.replica_data`.
+:mod:`dsrl.rl.data.replica`.
 
 Each backend builds the view from its framework's real reduction, never assuming it: the DeepSpeed
 view (:func:`dsrl.backends.deepspeed.view.deepspeed_view`) from the engine's group size, sequence

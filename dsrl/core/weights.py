@@ -54,7 +54,7 @@ def sequence_valid_tokens(micro: dict) -> torch.Tensor:
 
     Uses ``micro["seq_valid_tokens"]`` when present: under sequence/context parallelism a rank
     holds only a shard of each sequence, and n_s must be the *whole* sequence's count; a packed row
-    (several sequences in one row, see :func:`dsrl.rl.batching.collate_packed`) carries each token's
+    (several sequences in one row, see :func:`dsrl.rl.data.batching.collate_packed`) carries each token's
     own sequence count ``[b, t]``.
     """
     if "seq_valid_tokens" in micro:

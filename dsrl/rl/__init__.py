@@ -1,11 +1,20 @@
-"""The RL application: the trainer loop and everything it composes.
+"""The RL application: the trainer loop and everything it composes, in rooms by concern.
 
-Owns: the loop (:mod:`.trainer`), one rollout's experience (:mod:`.experience`), the critic and the
-reward model (:mod:`.critic`, :mod:`.reward_model`), the reward-function contract
-(:mod:`.reward_contract`), the supervised warm-up (:mod:`.sft`), samples and their collation
-(:mod:`.batching`), the rollout data path between ranks (:mod:`.replica_data`, :mod:`.sample_codec`),
-models, tokenizer and prompt data (:mod:`.models`, :mod:`.tokenizer`, :mod:`.data`).
+Owns, at this level: the loop (:mod:`.trainer`), one rollout's experience (:mod:`.experience`), the critic
+(:mod:`.critic`) and the supervised warm-up (:mod:`.sft`). Rooms, each a package of its own:
+
+- :mod:`.policy` -- the policy model (a checkpoint or the tiny built-in one), its LoRA adapters, its tokenizer;
+- :mod:`.data` -- prompts and their sampler, samples and their collation into micro-batches, the rollout data
+  path between ranks and the compact sample codec;
+- :mod:`.rewards` -- the reward-function contract, loading the run's reward and accuracy functions, the learned
+  reward model;
+- :mod:`.episodes` -- multi-turn rollouts: the environment contract, trajectories, the turn-by-turn driver;
+- :mod:`.disagg` -- asynchronous (disaggregated) RL: trainer and generator roles, the wire formats, the remote
+  rollout backend of the trainer ranks and the generator worker (ARCHITECTURE §8).
 
 May import: every package below it (config, core, backends, checkpoint, rollout, algos, tasks, runtime);
-never :mod:`dsrl.cli`.
+never :mod:`dsrl.cli`. A room never imports the modules at this level (trainer, experience, critic, sft);
+between rooms imports point one way: ``data`` and ``policy`` import no other room, ``rewards`` may import
+``data`` and ``policy``, ``episodes`` may import ``data`` and ``rewards``, ``disagg`` may import ``data`` and
+``policy`` (tests/unit/test_layout.py checks it).
 """

@@ -88,7 +88,7 @@ def build_value_model(cfg: Config, tokenizer: Any, on_gpu: bool, seed: int) -> t
     tiny model of ``model.arch``/``model.tiny`` (seeded like the policy); head dropout off, train mode."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from dsrl.rl.models import resolve_dtype, tiny_config
+    from dsrl.rl.policy.model import resolve_dtype, tiny_config
 
     d = cfg.dsrl
     dtype = resolve_dtype(d.model.dtype, on_gpu)

@@ -9,14 +9,14 @@ Invariants kept by :class:`ExperienceMaker`:
 - generation is seeded from (run seed, rollout, sampling round, replica), so a resumed run
   regenerates the same completions; the ranks of one replica (tensor-parallel peers) generate
   together and then adopt their source's scored samples, and only sources count them in the
-  rollout statistics (:mod:`dsrl.rl.replica_data`);
+  rollout statistics (:mod:`dsrl.rl.data.replica`);
 - a non-finite reward, or an overlong-filtered completion, masks its sample (it contributes no
   token to any count); dynamic sampling (DAPO) refills zero-variance groups with one MAX all-reduce
   per round, and every rank runs the same number of rounds (under ZeRO-3 each round is a collective
   parameter gather);
 - a learned reward model (``data.reward_model``) scores every rank's completions before the tensor
   peers adopt their source's samples; under ZeRO-3 every rank runs the same number of its forwards
-  (:mod:`dsrl.rl.reward_model`), whatever number of prompts it drew;
+  (:mod:`dsrl.rl.rewards.model`), whatever number of prompts it drew;
 - old (and reference) log-probs -- and with a critic the old values -- are computed once per rollout,
   before any update, with the same number of forwards on every rank; with ``kl_in = "reward"`` the
   summed k1 KL is subtracted from the reward there (with a critic: ``-kl_coef * k1`` on every token
@@ -45,12 +45,12 @@ from dsrl.core.collectives import all_reduce_floats
 from dsrl.core.logprobs import token_logprobs
 from dsrl.core.plan import BatchPlan
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.batching import Sample, chunks, collate, completion_positions
-from dsrl.rl.data import PromptSource
-from dsrl.rl.episodes import generate_trajectory_groups
-from dsrl.rl.models import forward_logits
-from dsrl.rl.replica_data import is_source, share_with_tensor_peers
-from dsrl.rl.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, model_mask
+from dsrl.rl.data.batching import Sample, chunks, collate, completion_positions
+from dsrl.rl.data.prompts import PromptSource
+from dsrl.rl.data.replica import is_source, share_with_tensor_peers
+from dsrl.rl.episodes.driver import generate_trajectory_groups
+from dsrl.rl.episodes.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, model_mask
+from dsrl.rl.policy.model import forward_logits
 from dsrl.rollout.base import RolloutBackend
 
 
@@ -92,13 +92,14 @@ class RolloutStats:
     is_masked: float = 0.0
     staleness_sum: float = 0.0
     staleness_max: float = 0.0
-    # disaggregated generation (dsrl.rl.remote): trainers' wait for samples and weight publishing, and the
+    # disaggregated generation (dsrl.rl.disagg.remote): trainers' wait for samples and weight publishing, and the
     # generators' generation and idle (waiting for weights) seconds as their messages reported them
     wait_s: float = 0.0
     publish_s: float = 0.0
     generator_s: float = 0.0
     generator_idle_s: float = 0.0
-    # Multi-turn trajectories (dsrl.rl.episodes): their count, model turns, tool calls, observation tokens, seconds
+    # Multi-turn trajectories (dsrl.rl.episodes.driver): their count, model turns, tool calls, observation tokens,
+    # seconds
     # in the environment, and why they were cut (completion_tokens counts model tokens only).
     trajectories: float = 0.0
     turns: float = 0.0
@@ -160,13 +161,13 @@ class RolloutStats:
 @dataclass
 class Rewards:
     """What scores a rollout's completions: the rule reward (a task's or ``data.reward_fn``, already guarded by
-    :mod:`dsrl.rl.reward_contract`), the accuracy metric, a learned reward model, and an environment (its episodes'
-    rewards, :mod:`dsrl.rl.environment`); each may be None."""
+    :mod:`dsrl.rl.rewards.contract`), the accuracy metric, a learned reward model, and an environment (its episodes'
+    rewards, :mod:`dsrl.rl.episodes.environment`); each may be None."""
 
     reward_fn: Callable[..., list[float]] | None = None
     accuracy_fn: Callable[..., list[Any]] | None = None
-    model: Any = None  # dsrl.rl.reward_model.RewardModel
-    environment: Any = None  # dsrl.rl.environment.EnvironmentCaller: samples are multi-turn trajectories
+    model: Any = None  # dsrl.rl.rewards.model.RewardModel
+    environment: Any = None  # dsrl.rl.episodes.environment.EnvironmentCaller: samples are multi-turn trajectories
 
 
 class ExperienceMaker:
@@ -201,7 +202,7 @@ class ExperienceMaker:
         return idx[self.replica * per:(self.replica + 1) * per]
 
     def _generate_groups(self, indices: list[int], seed: int) -> list[list[Sample]]:
-        if self.rewards.environment is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes)
+        if self.rewards.environment is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes.driver)
             return generate_trajectory_groups(self, indices, seed)
         records, prompt_ids = self.prompts.encode(indices)
         with self.watch.phase("generation"):
@@ -214,7 +215,7 @@ class ExperienceMaker:
                 before = model.filler_forwards
                 scores = model.score([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
                 self._rm_fillers += model.filler_forwards - before
-            # Tensor peers adopt their source's scored samples (dsrl.rl.replica_data rule 2).
+            # Tensor peers adopt their source's scored samples (dsrl.rl.data.replica rule 2).
             return share_with_tensor_peers(self.view, lambda: self._score(indices, records, completions, scores))
 
     def _score(self, indices: list[int], records: list[dict], completions: list,

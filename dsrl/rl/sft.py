@@ -16,7 +16,7 @@ answer + eos) sequences, with the per-token loss ``-log pi(answer token)``:
   column); the answer is tokenized without special tokens, followed by eos, and cut at
   ``rollout.max_new_tokens`` like a completion;
 - with an environment (``data.environment``) a sequence is the prompt's reference *trajectory* instead
-  (:func:`dsrl.rl.episodes.demonstration`: the factory's ``demonstration(prompt, answer)`` turns, stepped through
+  (:func:`dsrl.rl.episodes.driver.demonstration`: the factory's ``demonstration(prompt, answer)`` turns, stepped through
   a fresh episode): the model learns its own turns, the observations between them are shown but masked (loss
   mask 0), and it is cut at ``rollout.max_trajectory_tokens``; built when first drawn, then kept;
 - it runs once: a resumed run (which always resumes after a rollout) skips it.
@@ -35,15 +35,16 @@ from dsrl.config import ConfigError, DsrlConfig
 from dsrl.core.logprobs import token_logprobs
 from dsrl.core.partition import partition_mini_batch
 from dsrl.core.plan import BatchPlan
-from dsrl.rl.batching import Sample
-from dsrl.rl.data import PromptSource
-from dsrl.rl.models import forward_logits
-from dsrl.rl.replica_data import my_micro_batches
+from dsrl.rl.data.batching import Sample
+from dsrl.rl.data.prompts import PromptSource
+from dsrl.rl.data.replica import my_micro_batches
+from dsrl.rl.policy.model import forward_logits
 
 
 class SupervisedWarmup:
     """The ``dsrl.sft`` phase (module docstring): ``policy`` (the RLEngine) takes ``cfg.sft.steps`` exact steps on
-    (prompt, reference answer) pairs of ``prompts`` (a :class:`dsrl.rl.data.PromptSource`), partitioned by ``plan``."""
+    (prompt, reference answer) pairs of ``prompts`` (a :class:`dsrl.rl.data.prompts.PromptSource`), partitioned by
+    ``plan``."""
 
     def __init__(self, cfg: DsrlConfig, plan: BatchPlan, policy: Any, tokenizer: Any, prompts: PromptSource):
         self.d, self.plan, self.policy, self.pad_id = cfg, plan, policy, tokenizer.pad_token_id
@@ -69,8 +70,8 @@ class SupervisedWarmup:
     def _demonstrations(self, tokenizer: Any, pool: list[int], records: list[dict],
                         prompt_ids: list[list[int]]) -> Callable[[int], Sample]:
         """``i -> the reference trajectory of pool entry i`` as a sample (module docstring)."""
-        from dsrl.rl.environment import ObservationEncoder, load_environment
-        from dsrl.rl.episodes import demonstration
+        from dsrl.rl.episodes.driver import demonstration
+        from dsrl.rl.episodes.environment import ObservationEncoder, load_environment
         from dsrl.rollout.base import stop_token_ids
 
         d = self.d

@@ -11,7 +11,7 @@ One rollout, on every rank:
    partitioned across replicas and into micro-batches (fixed size or token budget) by
    :mod:`dsrl.core.partition`. Then one all-to-all moves each sample, with its old/ref log-probs and
    advantage, from the replica that generated it to the ranks that train on it, once per rollout,
-   so a rank receives about R/D samples, not R (:mod:`dsrl.rl.replica_data`: tensor peers get
+   so a rank receives about R/D samples, not R (:mod:`dsrl.rl.data.replica`: tensor peers get
    identical micro-batches); every mini-batch is one ``RLEngine.train_mini_batch`` call, i.e. one
    optimizer step;
 3. with a critic (ppo, :mod:`dsrl.critic`) the critic takes one exact step on the same micro-batches
@@ -52,13 +52,13 @@ from dsrl.core.errors import RunError
 from dsrl.core.logprobs import token_entropy, token_logprobs
 from dsrl.core.partition import mini_batches, partition_mini_batch
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.batching import Sample
+from dsrl.rl.data.batching import Sample
+from dsrl.rl.data.replica import RolloutIndex, my_micro_batches
+from dsrl.rl.disagg.remote import GenerationStopped
+from dsrl.rl.disagg.roles import Role, check_layout
 from dsrl.rl.experience import ExperienceMaker, Rewards
-from dsrl.rl.models import forward_logits
-from dsrl.rl.remote import GenerationStopped
-from dsrl.rl.replica_data import RolloutIndex, my_micro_batches
-from dsrl.rl.reward_contract import all_timed_out
-from dsrl.rl.roles import Role, check_layout
+from dsrl.rl.policy.model import forward_logits
+from dsrl.rl.rewards.contract import all_timed_out
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
 from dsrl.runtime.stop import StopControl, StopRun
 from dsrl.runtime.watchdog import Watch
@@ -74,12 +74,13 @@ class Trainer:
 
     def __init__(self, config: str | dict | Config, overrides: dict[str, Any] | None = None,
                  resume: str | None = None, role: Role | None = None):
-        """``role``: this rank's :class:`dsrl.rl.roles.Role` in a disaggregated job (made by
-        :func:`dsrl.rl.roles.split_world`, which every rank calls first); None when colocated."""
-        from dsrl.rl.data import PromptSampler, PromptSource, load_accuracy_fn, load_prompts, load_reward_fn
-        from dsrl.rl.environment import load_environment
-        from dsrl.rl.models import build_model, frozen_copy, resolve_dtype
-        from dsrl.rl.tokenizer import load_tokenizer
+        """``role``: this rank's :class:`dsrl.rl.disagg.roles.Role` in a disaggregated job (made by
+        :func:`dsrl.rl.disagg.roles.split_world`, which every rank calls first); None when colocated."""
+        from dsrl.rl.data.prompts import PromptSampler, PromptSource, load_prompts
+        from dsrl.rl.episodes.environment import load_environment
+        from dsrl.rl.policy.model import build_model, frozen_copy, resolve_dtype
+        from dsrl.rl.policy.tokenizer import load_tokenizer
+        from dsrl.rl.rewards.functions import load_accuracy_fn, load_reward_fn
         from dsrl.rollout import make_backend
 
         self.cfg = load_config(config, overrides)
@@ -99,7 +100,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(d.model)
         self.prompts = load_prompts(d.data, seed=d.run.seed)
         reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
-        environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes), or None
+        environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes.driver), or None
         tok = self.tokenizer
         _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
         # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
@@ -127,12 +128,12 @@ class Trainer:
         if self.ref_model is not None:
             self.ref_model = frozen_engine(self.ref_model, self.rl, self.device)
         elif d.algorithm.kl_coef > 0:
-            from dsrl.rl.lora import AdaptersDisabled
+            from dsrl.rl.policy.lora import AdaptersDisabled
 
             self.ref_model = AdaptersDisabled(self.rl)
         self.reward_model = None
         if d.data.reward_model:
-            from dsrl.rl.reward_model import RewardModel
+            from dsrl.rl.rewards.model import RewardModel
 
             self.reward_model = RewardModel.load(d.data.reward_model, tok, self.rl, on_gpu=self.on_gpu,
                                                  micro_batch_size=d.rollout.logprob_micro_batch_size)
@@ -145,8 +146,8 @@ class Trainer:
                                      last_rollout=d.run.last_rollout)
         self.prompt_source = PromptSource(self.prompts, self.sampler, tok, d.data)
         self.role = role
-        if role is not None:  # completions come from the generator ranks (dsrl.rl.remote)
-            from dsrl.rl.remote import RemoteRolloutBackend
+        if role is not None:  # completions come from the generator ranks (dsrl.rl.disagg.remote)
+            from dsrl.rl.disagg.remote import RemoteRolloutBackend
 
             self.backend = RemoteRolloutBackend(role, self.rl, d, self.plan, self.prompt_source, self.stop)
         else:
@@ -275,7 +276,7 @@ class Trainer:
         in ``self.critic_results``.
 
         Every rank learns all R lengths, partitions all E*R/B mini-batches, then receives only the
-        samples its replica trains on (:mod:`dsrl.rl.replica_data`, rules 3-5)."""
+        samples its replica trains on (:mod:`dsrl.rl.data.replica`, rules 3-5)."""
         view = self.rl.view
         index = RolloutIndex.gather(view, local)
         seed = derived_seed(self.d.run.seed, self.rollout_index, 0xB47C4)

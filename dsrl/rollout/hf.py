@@ -22,7 +22,7 @@ Invariants:
   replica), and a stopping criterion (:class:`TensorPeersStop`) ORs the per-row end-of-sequence
   flags over the tensor group at every step, so a row ends on every peer at the same step and the
   peers leave the loop together, even if their sampled tokens were to differ (the trainer then keeps
-  the tensor source's completions: :mod:`dsrl.rl.replica_data`). Cost: one all-reduce of a bool per row
+  the tensor source's completions: :mod:`dsrl.rl.data.replica`). Cost: one all-reduce of a bool per row
   per token step, inside the tensor group only.
 
 Memory: under ZeRO-3 every rank holds the full (unpartitioned; under AutoTP: its tensor shard of

@@ -175,7 +175,7 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
 
 
 def _trajectory_record(stats: Any, world: int) -> dict[str, Any]:
-    """The multi-turn columns (dsrl.rl.episodes), present when the rollout's samples are trajectories:
+    """The multi-turn columns (dsrl.rl.episodes.driver), present when the rollout's samples are trajectories:
     per-trajectory means of model turns, tool calls (observations appended) and observation tokens; the seconds
     spent in the environment (averaged over ranks, like rollout_s); how many trajectories an environment call
     past data.environment_timeout_s masked, and how many were cut by an observation that did not fit, by

@@ -9,7 +9,8 @@ On top of them, **phases**: the trainer runs generation, reward, step and save i
   naming the phase and the missing rank(s).
 
 **What a rank is doing**: inside a phase, the code that calls user functions (a reward function, an
-environment: :mod:`dsrl.rl.reward_contract`, :mod:`dsrl.rl.environment`) records before each call what it calls
+environment: :mod:`dsrl.rl.rewards.contract`, :mod:`dsrl.rl.episodes.environment`) records before each call what it
+calls
 and for which sample (:func:`note`, one store write). While a rank waits at a phase end, a thread of that rank
 says every ``run.wait_report_s`` seconds, until the collective bound ends the job, which rank it waits for,
 what that rank is doing and for how long (only the lowest waiting rank speaks, so a large job prints one line

@@ -2,7 +2,8 @@
 
 Prompt ``"calculator: 347*862 ="``, answer ``"299114"``: two factors drawn uniformly from 317..999, so every
 product has six digits and every trajectory has the same shape. The environment (``data.environment =
-"dsrl.tasks.calculator:Calculator"``, the contract of :mod:`dsrl.rl.environment`; this module imports nothing of
+"dsrl.tasks.calculator:Calculator"``, the contract of
+:mod:`dsrl.rl.episodes.environment`; this module imports nothing of
 dsrl's but the task base) gives one episode per sample:
 
 - a model turn that is exactly a tool call ``[<digits><op><digits>]`` with ``op`` one of ``+ - *`` (ended by the

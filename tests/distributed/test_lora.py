@@ -119,8 +119,8 @@ def test_resume_bitwise_elastic_resume_and_exports(tmp_path):
 
     from dsrl.cli.main import main as dsrl_cli
     from dsrl.config import ModelConfig, load_config
-    from dsrl.rl.models import build_model
-    from dsrl.rl.tokenizer import load_tokenizer
+    from dsrl.rl.policy.model import build_model
+    from dsrl.rl.policy.tokenizer import load_tokenizer
 
     probe = torch.load(tmp_path / "logits.pt", weights_only=False)
 

@@ -131,8 +131,8 @@ def test_reward_model_zero3_uneven_prompt_counts(tmp_path):
     of prompts per rank, so the ranks score different numbers of sequences: filler forwards keep the sharded
     model's forwards equal (without them the job hangs)."""
     from dsrl.config import ModelConfig
-    from dsrl.rl.reward_model import save_tiny_reward_model
-    from dsrl.rl.tokenizer import load_tokenizer
+    from dsrl.rl.policy.tokenizer import load_tokenizer
+    from dsrl.rl.rewards.model import save_tiny_reward_model
 
     rm_dir = save_tiny_reward_model(str(tmp_path / "rm"), load_tokenizer(ModelConfig()))
     raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())

@@ -114,8 +114,8 @@ def test_plain_python_local_model_dir_jsonl_prompts_and_dotted_reward(tmp_path):
     import sys
 
     from dsrl.config import ModelConfig
-    from dsrl.rl.models import build_model
-    from dsrl.rl.tokenizer import load_tokenizer
+    from dsrl.rl.policy.model import build_model
+    from dsrl.rl.policy.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ModelConfig())
     model = build_model(ModelConfig(arch="llama"), vocab_size=len(tok), pad_token_id=tok.pad_token_id,

@@ -1,5 +1,5 @@
 """AutoTP / AutoEP layout rules without a process group: D from the ds_config, the tensor_parallel section
-DeepSpeed sees, who holds which data (dsrl.rl.replica_data), the AutoEP compatibility fix, `dsrl plan`."""
+DeepSpeed sees, who holds which data (dsrl.rl.data.replica), the AutoEP compatibility fix, `dsrl plan`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dsrl.backends.deepspeed.config import data_parallel_size
 from dsrl.cli.main import build_plan_report
 from dsrl.config import ConfigError, load_config
 from dsrl.core.parallel import ParallelView
-from dsrl.rl.replica_data import is_source, my_part, share_with_tensor_peers
+from dsrl.rl.data.replica import is_source, my_part, share_with_tensor_peers
 
 
 @pytest.mark.parametrize("ds,world,want", [

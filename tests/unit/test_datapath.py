@@ -1,5 +1,5 @@
 """The rollout data path without a process group: the sample codec (exact, generic over the fields) and
-who sends which sample to whom (dsrl.rl.replica_data.RolloutIndex), with every rank played by a thread
+who sends which sample to whom (dsrl.rl.data.replica.RolloutIndex), with every rank played by a thread
 around a fake all-to-all: data-parallel, AutoTP 2 x DP 2 and Ulysses 2 x DP 2 layouts, both rank
 orders, fixed and token-budget partitions, E > 1 reshuffles."""
 
@@ -17,10 +17,10 @@ import torch
 
 from dsrl.core.parallel import ParallelView
 from dsrl.core.partition import mini_batches, partition_mini_batch
-from dsrl.rl import replica_data
-from dsrl.rl.batching import Sample
-from dsrl.rl.replica_data import RolloutIndex, is_source, my_part
-from dsrl.rl.sample_codec import decode_sample, encode_sample
+from dsrl.rl.data import replica as replica_data
+from dsrl.rl.data.batching import Sample
+from dsrl.rl.data.codec import decode_sample, encode_sample
+from dsrl.rl.data.replica import RolloutIndex, is_source, my_part
 
 
 def _bits(x):

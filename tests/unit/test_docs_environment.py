@@ -8,9 +8,9 @@ import re
 from conftest import REPO
 
 from dsrl.config import DataConfig, ModelConfig, RolloutConfig
-from dsrl.rl.environment import ObservationEncoder, Turn, load_environment
-from dsrl.rl.episodes import demonstration
-from dsrl.rl.tokenizer import load_tokenizer
+from dsrl.rl.episodes.driver import demonstration
+from dsrl.rl.episodes.environment import ObservationEncoder, Turn, load_environment
+from dsrl.rl.policy.tokenizer import load_tokenizer
 from dsrl.rollout.base import stop_token_ids
 
 

@@ -1,4 +1,4 @@
-"""The environment contract (issue 21, items 1 and 4; dsrl.rl.environment), its config rules and the waiting
+"""The environment contract (issue 21, items 1 and 4; dsrl.rl.episodes.environment), its config rules and the waiting
 rank's reports (dsrl.runtime.watchdog).
 
 - every bad environment is one sentence naming data.environment, the sample and the fix: a factory that raises,
@@ -22,8 +22,8 @@ import pytest
 
 from dsrl.config import ConfigError, DataConfig, DsrlConfig, ModelConfig, RolloutConfig
 from dsrl.core.plan import BatchPlan
-from dsrl.rl.environment import EnvironmentCaller, EnvStep, ObservationEncoder, Turn, load_environment
-from dsrl.rl.tokenizer import load_tokenizer
+from dsrl.rl.episodes.environment import EnvironmentCaller, EnvStep, ObservationEncoder, Turn, load_environment
+from dsrl.rl.policy.tokenizer import load_tokenizer
 from dsrl.rollout.base import stop_token_ids
 from dsrl.runtime import watchdog
 
@@ -100,8 +100,8 @@ def test_a_hang_is_cut_masked_counted_and_named(caplog):
 
 
 def test_a_non_finite_reward_masks_the_trajectory():
+    from dsrl.rl.episodes.trajectory import Trajectory
     from dsrl.rl.experience import masked_rewards
-    from dsrl.rl.trajectory import Trajectory
 
     step = run_step(caller(lambda t: {"reward": float("inf"), "done": True}))
     t = Trajectory(0, [1, 5])
@@ -214,8 +214,8 @@ def test_a_waiting_rank_names_the_busy_rank_its_sample_and_how_long(caplog):
 
 
 def test_rollout_record_has_the_trajectory_columns():
+    from dsrl.rl.episodes.trajectory import DONE, MAX_TURNS, Trajectory
     from dsrl.rl.experience import RolloutStats
-    from dsrl.rl.trajectory import DONE, MAX_TURNS, Trajectory
     from dsrl.runtime.metrics import rollout_record
 
     samples = []

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (issue 21, items 2, 3 and 5; dsrl.rl.episodes, dsrl.rl.trajectory).
+"""Multi-turn rollouts (issue 21, items 2, 3 and 5; dsrl.rl.episodes.driver, dsrl.rl.episodes.trajectory).
 
 - token-in/token-out: a model turn's tokens are kept exactly (eos and special tokens included, never re-tokenized
   from text); observations are appended with loss mask 0 and behavior log-prob 0.0; collate counts model tokens
@@ -22,11 +22,11 @@ import torch
 
 from dsrl.config import ModelConfig, RolloutConfig
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.batching import collate
-from dsrl.rl.environment import EnvironmentCaller, ObservationEncoder
-from dsrl.rl.episodes import EpisodeRunner, demonstration, score_trajectories
-from dsrl.rl.tokenizer import load_tokenizer
-from dsrl.rl.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, Trajectory
+from dsrl.rl.data.batching import collate
+from dsrl.rl.episodes.driver import EpisodeRunner, demonstration, score_trajectories
+from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder
+from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, Trajectory
+from dsrl.rl.policy.tokenizer import load_tokenizer
 from dsrl.rollout.base import Completion, stop_token_ids
 
 TOK = load_tokenizer(ModelConfig())
@@ -158,7 +158,7 @@ def test_scoring_sums_environment_rewards_adds_the_reward_fn_and_measures_the_la
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_greedy_trajectories_equal_on_hf_and_cb(arch):
-    from dsrl.rl.models import build_model
+    from dsrl.rl.policy.model import build_model
     from dsrl.rollout.cb import ContinuousBatchingBackend
     from dsrl.rollout.hf import HFRolloutBackend
 

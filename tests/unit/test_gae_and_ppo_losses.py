@@ -10,7 +10,7 @@ import torch
 
 from dsrl.algos import gae, token_rewards, whiten
 from dsrl.algos.losses import clipped_value_loss, sequence_clipped_policy_loss, sequence_index, sequence_mean
-from dsrl.rl.batching import Sample, collate, collate_packed
+from dsrl.rl.data.batching import Sample, collate, collate_packed
 
 
 def _close(t: torch.Tensor, want: list) -> bool:

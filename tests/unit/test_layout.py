@@ -5,8 +5,9 @@
 - the dependency direction between packages (function-level imports included): ``config`` imports no
   other dsrl package; ``core`` only ``config``; the two backends ``core``/``config`` and never each
   other; ``checkpoint`` the DeepSpeed backend, never ``rl``; ``rollout`` and ``algos`` never ``rl``,
-  ``checkpoint`` or ``cli``; ``rl`` composes everything below it; ``cli`` and the top-level entries sit
-  on top; nothing imports ``tests``;
+  ``checkpoint`` or ``cli``; ``rl`` composes everything below it, its rooms (``rl.policy``, ``rl.data``,
+  ``rl.rewards``, ``rl.episodes``, ``rl.disagg``) never import its own modules and import each other one way;
+  ``cli`` and the top-level entries sit on top; nothing imports ``tests``;
 - no import circle among dsrl's modules, and every checker is shown to fail on a planted violation.
 """
 
@@ -21,7 +22,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "dsrl"
 
 PACKAGES = ("config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "rl",
-            "tasks", "runtime", "cli")
+            "rl.policy", "rl.data", "rl.rewards", "rl.episodes", "rl.disagg", "tasks", "runtime", "cli")
+BELOW_RL = {"config", "core", "backends.deepspeed", "checkpoint", "rollout", "algos", "tasks", "runtime"}
+RL_ROOMS = {"rl.policy", "rl.data", "rl.rewards", "rl.episodes", "rl.disagg"}
 TOP_LEVEL = {"dsrl", "dsrl.check", "dsrl.__main__"}
 # package -> the dsrl packages it may import (besides itself). Anything not listed is forbidden.
 MAY_IMPORT: dict[str, set[str]] = {
@@ -35,9 +38,16 @@ MAY_IMPORT: dict[str, set[str]] = {
     "runtime": {"config", "core"},
     "rollout": {"config", "core", "algos"},
     "checkpoint": {"config", "core", "backends.deepspeed"},
-    "rl": {"config", "core", "backends.deepspeed", "checkpoint", "rollout", "algos", "tasks", "runtime"},
-    "cli": {"config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "rl",
-            "tasks", "runtime"},
+    # the RL application's own modules (trainer, experience, critic, sft) compose everything below and every room;
+    # a room never imports them, and rooms import each other one way only (dsrl/rl/__init__.py)
+    "rl": BELOW_RL | RL_ROOMS,
+    "rl.policy": {"config", "core", "backends.deepspeed", "rollout"},
+    "rl.data": {"config", "core", "tasks"},
+    "rl.rewards": {"config", "core", "backends.deepspeed", "runtime", "tasks", "rl.data", "rl.policy"},
+    "rl.episodes": {"config", "core", "runtime", "rollout", "rl.data", "rl.rewards"},
+    "rl.disagg": {"config", "core", "backends.deepspeed", "rollout", "runtime", "rl.data", "rl.policy"},
+    "cli": {"config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "tasks",
+            "runtime"} | {"rl"} | RL_ROOMS,
 }
 
 
@@ -188,10 +198,15 @@ def _plant(root: pathlib.Path, module: str, line: str) -> None:
     ("dsrl.config.load", "import dsrl.core.plan", "dsrl.config.load imports dsrl.core.plan: config may import only"),
     ("dsrl.backends.deepspeed.engine", "from dsrl.backends.megatron import step",
      "backends.deepspeed may import only config, core"),
-    ("dsrl.checkpoint.export", "from dsrl.rl.models import build_model", "checkpoint may import only"),
+    ("dsrl.checkpoint.export", "from dsrl.rl.policy.model import build_model", "checkpoint may import only"),
     ("dsrl.rollout.hf", "from dsrl.checkpoint import commit", "rollout may import only"),
     ("dsrl.algos.gae", "from dsrl.cli import main", "algos may import only"),
     ("dsrl.rl.trainer", "import tests.conftest", "nothing in dsrl imports tests"),
+    # the rooms of dsrl.rl: never the application's own modules, and one way between rooms
+    ("dsrl.rl.data.batching", "from dsrl.rl import trainer", "rl.data may import only config, core, tasks"),
+    ("dsrl.rl.disagg.remote", "from dsrl.rl.experience import ExperienceMaker", "rl.disagg may import only"),
+    ("dsrl.rl.data.prompts", "from dsrl.rl.episodes import driver", "rl.data may import only"),
+    ("dsrl.rl.policy.model", "from dsrl.rl.disagg.roles import Role", "rl.policy may import only"),
 ])
 def test_the_direction_check_fails_on_a_planted_violation(planted, module, line, expected):
     assert violations(planted) == []

@@ -1,4 +1,5 @@
-"""LoRA (``dsrl.model.lora``, dsrl/rl/lora.py) in one process: the config and its refusals, the adapters as the only
+"""LoRA (``dsrl.model.lora``, dsrl/rl/policy/lora.py) in one process: the config and its refusals, the adapters as
+the only
 trainable parameters (identical on every build, the caller's RNG untouched), the merged weights a generator gets
 (equal outputs, trained tensors untouched, modules_to_save, disabled adapters), the KL reference with adapters
 disabled, and the check's comparison against a float64 reference of the same PEFT model with planted bugs that it
@@ -18,8 +19,8 @@ pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lor
 from dsrl.cli import check as C  # noqa: E402
 from dsrl.cli.check_lora import adapter_parameters, lora_model_for, with_adapters  # noqa: E402
 from dsrl.config import ConfigError, LoraConfig, ModelConfig, load_config  # noqa: E402
-from dsrl.rl.lora import INSTALL_HINT, AdaptersDisabled, import_peft, is_lora_model  # noqa: E402
-from dsrl.rl.models import build_model  # noqa: E402
+from dsrl.rl.policy.lora import INSTALL_HINT, AdaptersDisabled, import_peft, is_lora_model  # noqa: E402
+from dsrl.rl.policy.model import build_model  # noqa: E402
 from dsrl.rollout.policy import generation_weights, peft_inner, unwrap  # noqa: E402
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from dsrl.rl.batching import Sample
+from dsrl.rl.data.batching import Sample
 from dsrl.rl.experience import RolloutStats
 from dsrl.runtime.metrics import MetricsWriter, rollout_record
 

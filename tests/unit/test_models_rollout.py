@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsrl.config import ConfigError, ModelConfig, RolloutConfig
-from dsrl.rl.models import build_model, frozen_copy
+from dsrl.rl.policy.model import build_model, frozen_copy
 from dsrl.rollout import Completion, make_backend
 from dsrl.rollout.hf import HFRolloutBackend
 

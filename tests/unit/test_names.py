@@ -7,7 +7,7 @@ import typing
 from dsrl.algos import ESTIMATORS, NORMALIZE_STD_DEFAULT
 from dsrl.config import AlgorithmConfig, BatchConfig, DataConfig, ModelConfig, names
 from dsrl.core import weights as loss
-from dsrl.rl.models import tiny_config
+from dsrl.rl.policy.model import tiny_config
 from dsrl.tasks import TASKS
 
 

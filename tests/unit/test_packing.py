@@ -9,8 +9,8 @@ import torch
 from dsrl.config import ModelConfig
 from dsrl.core.logprobs import token_logprobs
 from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighted_sum
-from dsrl.rl.batching import Sample, collate, collate_packed
-from dsrl.rl.models import build_model
+from dsrl.rl.data.batching import Sample, collate, collate_packed
+from dsrl.rl.policy.model import build_model
 
 
 def _samples() -> list[Sample]:

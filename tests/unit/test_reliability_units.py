@@ -20,8 +20,9 @@ from dsrl.checkpoint.elastic import Layout, check_compatible, needs_universal, s
 from dsrl.checkpoint.output_lock import OutputLock
 from dsrl.config import ConfigError, DataConfig, load_config
 from dsrl.core import timeouts
-from dsrl.rl.data import as_batched, load_prompts
-from dsrl.rl.reward_contract import all_timed_out
+from dsrl.rl.data.prompts import load_prompts
+from dsrl.rl.rewards.contract import all_timed_out
+from dsrl.rl.rewards.functions import as_batched
 from dsrl.runtime.metrics import MetricsWriter
 from dsrl.runtime.stop import StopControl, _looks_like_launcher
 

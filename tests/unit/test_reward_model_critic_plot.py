@@ -13,8 +13,8 @@ from conftest import REPO
 from dsrl.config import ConfigError, ModelConfig, load_config
 from dsrl.core.plan import BatchPlan
 from dsrl.rl.critic import critic_config
-from dsrl.rl.reward_model import RewardModel, save_tiny_reward_model
-from dsrl.rl.tokenizer import load_tokenizer
+from dsrl.rl.policy.tokenizer import load_tokenizer
+from dsrl.rl.rewards.model import RewardModel, save_tiny_reward_model
 
 PLAIN = types.SimpleNamespace(zero_stage=2, device="cpu")  # a policy engine that does not shard (ZeRO < 3)
 

@@ -11,8 +11,8 @@ import torch
 
 from dsrl.cli.main import build_plan_report
 from dsrl.config import ConfigError, load_config
-from dsrl.rl.remote import replica_owner
-from dsrl.rl.wire import WeightLayout, decode_completions, encode_completions
+from dsrl.rl.disagg.remote import replica_owner
+from dsrl.rl.disagg.wire import WeightLayout, decode_completions, encode_completions
 from dsrl.rollout.base import Completion
 
 CONFIG = json.loads((Path(__file__).parents[2] / "configs" / "tiny_grpo_async_cpu.json").read_text())

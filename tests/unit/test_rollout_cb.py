@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsrl.config import ModelConfig, RolloutConfig
-from dsrl.rl.models import build_model
+from dsrl.rl.policy.model import build_model
 from dsrl.rollout import make_backend
 from dsrl.rollout.auto import (
     CPU_SMALL_MODEL_MAX_CB_CONCURRENCY,

@@ -9,17 +9,9 @@ import pytest
 
 from dsrl.config import ConfigError, DataConfig, ModelConfig, load_config
 from dsrl.core.plan import BatchPlan
-from dsrl.rl.data import (
-    PromptSampler,
-    as_batched,
-    dataset_size,
-    encode_prompts,
-    load_accuracy_fn,
-    load_prompts,
-    load_reward_fn,
-    rollouts_for_epochs,
-)
-from dsrl.rl.tokenizer import TINY_TOKENIZER_PATH, load_tokenizer
+from dsrl.rl.data.prompts import PromptSampler, dataset_size, encode_prompts, load_prompts, rollouts_for_epochs
+from dsrl.rl.policy.tokenizer import TINY_TOKENIZER_PATH, load_tokenizer
+from dsrl.rl.rewards.functions import as_batched, load_accuracy_fn, load_reward_fn
 from dsrl.tasks import TASKS, get_task, partial_match_reward
 
 DATA = Path(__file__).resolve().parents[1] / "data"

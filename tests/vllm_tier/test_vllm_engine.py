@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from test_rollout_cb import chi_square_rejects, reference_probs  # noqa: E402
 
 from dsrl.config import ConfigError, ModelConfig, RolloutConfig  # noqa: E402
-from dsrl.rl.models import build_model  # noqa: E402
+from dsrl.rl.policy.model import build_model  # noqa: E402
 from dsrl.rollout.hf import HFRolloutBackend  # noqa: E402
 from dsrl.rollout.vllm import VLLMRolloutBackend, check_servable, import_vllm  # noqa: E402
 

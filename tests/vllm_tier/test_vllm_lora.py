@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_vllm_engine import BOS, EOS, PAD, PROMPTS, SERVABLE, TOK, VOCAB, engine, rollout, trainer_logprobs  # noqa: E402
 
 from dsrl.config import LoraConfig, ModelConfig  # noqa: E402
-from dsrl.rl.models import build_model  # noqa: E402
+from dsrl.rl.policy.model import build_model  # noqa: E402
 from dsrl.rollout.hf import HFRolloutBackend  # noqa: E402
 
 

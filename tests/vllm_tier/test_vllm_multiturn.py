@@ -20,7 +20,7 @@ from conftest import REPO, launch  # noqa: E402
 from test_episodes import TOK, ByText, runner  # noqa: E402
 
 from dsrl.config import ModelConfig, RolloutConfig  # noqa: E402
-from dsrl.rl.models import build_model  # noqa: E402
+from dsrl.rl.policy.model import build_model  # noqa: E402
 from dsrl.rollout.hf import HFRolloutBackend  # noqa: E402
 from dsrl.rollout.vllm import VLLMRolloutBackend  # noqa: E402
 

@@ -40,7 +40,7 @@ def main() -> None:
     import dsrl
     from dsrl.backends.deepspeed.engine import ensure_distributed
     from dsrl.config import ModelConfig, RolloutConfig
-    from dsrl.rl.models import build_model, frozen_copy
+    from dsrl.rl.policy.model import build_model, frozen_copy
     from dsrl.rollout.hf import HFRolloutBackend
 
     ensure_distributed()

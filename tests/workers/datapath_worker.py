@@ -1,5 +1,5 @@
 """``launch/train.py`` with the rollout data path chosen by ``--datapath``: ``all-to-all`` (dsrl's,
-dsrl.rl.replica_data.RolloutIndex) or ``all-gather`` (the path before issue 11: bench/datapath.py's
+dsrl.rl.data.replica.RolloutIndex) or ``all-gather`` (the path before issue 11: bench/datapath.py's
 AllGatherRollout stands in for RolloutIndex in the trainer). For tests/distributed/test_datapath_ranks.py."""
 
 from __future__ import annotations

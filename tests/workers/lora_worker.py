@@ -4,7 +4,7 @@ For each ZeRO stage of ``--stages``: builds the tiny Qwen2 policy with LoRA adap
 at random so the adapted model differs from its base) and, from the same seed, a plain copy of the base model;
 wraps the policy in an RLEngine and checks, with *uneven* work per rank (rank r: 3 - 2r micro-batches):
 
-- reference: the KL reference log-probs of :class:`dsrl.rl.lora.AdaptersDisabled` (the policy engine, adapters
+- reference: the KL reference log-probs of :class:`dsrl.rl.policy.lora.AdaptersDisabled` (the policy engine, adapters
   off) against those of a frozen base copy placed as the trainer places it (:func:`frozen_engine`), and the
   policy's own log-probs before and after (the adapters are on again);
 - generation: the engine's greedy ``hf`` and ``cb`` completions against a plain PEFT copy's ``hf`` ones;
@@ -53,8 +53,8 @@ def run_stage(stage: int) -> dict[str, Any]:
     from dsrl.cli.check import full_parameters
     from dsrl.config import LoraConfig, ModelConfig, RolloutConfig
     from dsrl.core.logprobs import token_logprobs
-    from dsrl.rl.lora import AdaptersDisabled
-    from dsrl.rl.models import build_model, forward_logits, frozen_copy
+    from dsrl.rl.policy.lora import AdaptersDisabled
+    from dsrl.rl.policy.model import build_model, forward_logits, frozen_copy
     from dsrl.rollout.cb import ContinuousBatchingBackend
     from dsrl.rollout.hf import HFRolloutBackend
     from dsrl.rollout.policy import gathered_for_generation, generation_weights, unwrap

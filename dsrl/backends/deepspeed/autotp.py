@@ -8,7 +8,7 @@ What dsrl relies on (DeepSpeed 0.19.8, measured on 2 and 4 CPU ranks with gloo):
   Gradients are averaged over that group only; inside a tensor group the backward all-reduces make
   every replicated parameter's gradient complete on every peer. So D = world / (N * sp), the count
   group is the data-parallel group, and tensor peers must hold identical micro-batches
-  (:mod:`dsrl.rl.replica_data` decides who gets what);
+  (:mod:`dsrl.rl.data.replica` decides who gets what);
 - with a tied embedding and output head, AutoTP follows the model's HF ``tp_plan`` and makes the head
   vocabulary-parallel: every rank then gets logits over its slice of the vocabulary only. dsrl's
   per-token log-probabilities and the sampler need the whole vocabulary, so dsrl sets

@@ -1,7 +1,7 @@
 """The contract of a reward function, enforced on every call: numbers out, one per completion, in time.
 
 :class:`RewardCaller` wraps the user's function (per-sample or batched, see
-:func:`dsrl.data.as_batched`) as ``(prompts, completions, answers) -> list[float]`` and keeps:
+:func:`dsrl.rl.rewards.functions.as_batched`) as ``(prompts, completions, answers) -> list[float]`` and keeps:
 
 - **numbers**: every value must be a real number (``int``, ``float``, ``bool``, a NumPy scalar or a
   one-element tensor); anything else (a string, None, a list) is a ConfigError naming

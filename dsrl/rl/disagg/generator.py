@@ -33,8 +33,8 @@ from dsrl.config import Config
 from dsrl.config.names import VLLM_BACKEND
 from dsrl.core.errors import RunError
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.roles import Role
-from dsrl.rl.wire import (
+from dsrl.rl.disagg.roles import Role
+from dsrl.rl.disagg.wire import (
     SampleMessage,
     WeightLayout,
     WeightReceiver,
@@ -44,7 +44,7 @@ from dsrl.rl.wire import (
     wait,
 )
 
-log = logging.getLogger("dsrl.rl.generator")
+log = logging.getLogger("dsrl.rl.disagg.generator")
 
 
 class GeneratorWorker:
@@ -52,9 +52,9 @@ class GeneratorWorker:
 
     def __init__(self, cfg: Config, role: Role):
         from dsrl.backends.deepspeed.engine import on_gpu
-        from dsrl.rl.data import PromptSampler, PromptSource, load_prompts
-        from dsrl.rl.models import build_model, resolve_dtype
-        from dsrl.rl.tokenizer import load_tokenizer
+        from dsrl.rl.data.prompts import PromptSampler, PromptSource, load_prompts
+        from dsrl.rl.policy.model import build_model, resolve_dtype
+        from dsrl.rl.policy.tokenizer import load_tokenizer
         from dsrl.rollout import make_backend
 
         d = self.d = cfg.dsrl

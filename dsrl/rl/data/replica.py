@@ -23,7 +23,7 @@ view.data_parallel_size`` their number (:class:`dsrl.core.parallel.ParallelView`
 5. samples move only to where they are trained on: once the partitions of all E epochs of a rollout
    are known (the same on every rank), each sample travels once per rollout from its source to every
    other rank of every replica that trains on it in any epoch, in one all-to-all of byte buffers
-   (:meth:`RolloutIndex.exchange`, :mod:`dsrl.rl.sample_codec`). Every rank of a replica, tensor and
+   (:meth:`RolloutIndex.exchange`, :mod:`dsrl.rl.data.codec`). Every rank of a replica, tensor and
    sequence peers included, uses the source's copy (a peer receives even its own replica's samples
    rather than trusting its local copy), so rule 4 holds bit for bit. A rank receives about
    ``R/D`` samples' bytes (fewer: a source keeps its own), plus ``R`` lengths and sizes.
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from dsrl.core.parallel import ParallelView
-from dsrl.rl.batching import collate, collate_packed
-from dsrl.rl.sample_codec import decode_sample, encode_sample
+from dsrl.rl.data.batching import collate, collate_packed
+from dsrl.rl.data.codec import decode_sample, encode_sample
 
 T = TypeVar("T")
 Partition = list[list[list[int]]]  # dsrl.core.partition: partition[replica][micro_batch] -> sample indices

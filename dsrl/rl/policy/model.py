@@ -10,7 +10,7 @@ Invariants:
 
 The reference model for a KL penalty is a :func:`frozen_copy` of the policy taken *before*
 ``deepspeed.initialize`` (a ZeRO-3 engine partitions the module in place, so a later deepcopy would
-copy empty shards); a LoRA policy needs none (the policy with its adapters disabled, :mod:`dsrl.rl.lora`).
+copy empty shards); a LoRA policy needs none (the policy with its adapters disabled, :mod:`dsrl.rl.policy.lora`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def build_model(
     loaded from that local directory; otherwise a tiny ``model_cfg.arch`` model is initialised from
     ``seed`` (identical on every rank). ``vocab_size`` and the special token ids only apply to the
     tiny model; a checkpoint keeps its own. With ``model_cfg.lora`` the result is a PEFT model whose
-    adapters (drawn from ``seed``) are its only trainable parameters (:mod:`dsrl.rl.lora`). The caller
+    adapters (drawn from ``seed``) are its only trainable parameters (:mod:`dsrl.rl.policy.lora`). The caller
     (DeepSpeed) moves the model to the device.
     """
     from transformers import AutoModelForCausalLM
@@ -98,8 +98,8 @@ def build_model(
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if model_cfg.lora is not None:  # adapters as the only trainable parameters (dsrl.rl.lora)
-        from dsrl.rl.lora import apply_lora
+    if model_cfg.lora is not None:  # adapters as the only trainable parameters (dsrl.rl.policy.lora)
+        from dsrl.rl.policy.lora import apply_lora
 
         model = apply_lora(model, model_cfg.lora, seed=seed, base_path=model_cfg.path)
     model.train()

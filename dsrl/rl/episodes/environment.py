@@ -1,5 +1,5 @@
 """The contract of an environment (``data.environment``), enforced on every call, beside the reward function's
-(:mod:`dsrl.rl.reward_contract`).
+(:mod:`dsrl.rl.rewards.contract`).
 
 A user names a factory, ``"pkg.module:Factory"`` or ``"path/to/file.py:Factory"``. For every sample of a rollout
 (each of the G samples of a prompt) dsrl calls ``Factory(prompt, answer)`` once and gets an *episode*; after every
@@ -13,7 +13,7 @@ generated) and gets the next step as
 Rewards of one trajectory are summed (per turn and/or final: give 0 where there is none). ``done`` ends the
 trajectory (its observation is then not used); otherwise the observation is tokenized by the run's tokenizer
 (:class:`ObservationEncoder`) and appended with loss mask 0, and the model takes the next turn
-(:mod:`dsrl.rl.episodes`). An optional ``episode.close()`` is called once when the trajectory ends; an optional
+(:mod:`dsrl.rl.episodes.driver`). An optional ``episode.close()`` is called once when the trajectory ends; an optional
 ``Factory.demonstration(prompt, answer) -> list[str]`` gives the model turns of a reference trajectory for the
 supervised warm-up (``dsrl.sft``).
 
@@ -29,7 +29,7 @@ What is enforced, each as one sentence naming ``data.environment``, the sample a
   rollout's ``environment_timeouts`` and logged with the sample. Before each call the rank notes what it calls
   and for which sample, so a rank waiting for it says so (:mod:`dsrl.runtime.watchdog`).
 
-The observations' token bound (``rollout.max_trajectory_tokens``) is kept by :mod:`dsrl.rl.episodes`.
+The observations' token bound (``rollout.max_trajectory_tokens``) is kept by :mod:`dsrl.rl.episodes.driver`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from dsrl.config import ConfigError, DataConfig
-from dsrl.rl.reward_contract import _CallTimeout, _short, as_reward, time_limit
+from dsrl.rl.rewards.contract import _CallTimeout, _short, as_reward, time_limit
 from dsrl.runtime.watchdog import note
 
 log = logging.getLogger("dsrl.environment")
@@ -174,7 +174,7 @@ def load_environment(data_cfg: DataConfig) -> EnvironmentCaller | None:
     starts, so a wrong path fails before any work)."""
     if not data_cfg.environment:
         return None
-    from dsrl.rl.data import import_object
+    from dsrl.rl.rewards.functions import import_object
 
     factory = import_object(data_cfg.environment, FIELD)
     return EnvironmentCaller(factory, data_cfg.environment, data_cfg.environment_timeout_s)

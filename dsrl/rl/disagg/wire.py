@@ -1,4 +1,4 @@
-"""What crosses the groups between trainer ranks and generator ranks (:mod:`dsrl.rl.roles`), and how.
+"""What crosses the groups between trainer ranks and generator ranks (:mod:`dsrl.rl.disagg.roles`), and how.
 
 Three kinds of message, each on its own channel so that every pair of ranks sees its messages in order:
 
@@ -11,7 +11,7 @@ Three kinds of message, each on its own channel so that every pair of ranks sees
   never waits for generation (:class:`WeightReceiver`);
 - **samples** (bridge, point to point, generator -> a replica's source trainer): a header
   ``[rollout, replica, version, bytes, generation microseconds, idle microseconds]`` (int64), then the
-  completions encoded with :mod:`dsrl.rl.sample_codec` (exact, bit for bit).
+  completions encoded with :mod:`dsrl.rl.data.codec` (exact, bit for bit).
 
 Invariant: the layout is the trainer's ``state_dict`` order and both sides derive the buffers from it, so a
 weight lands in the generator's tensor of the same name, bit for bit (dtype conversions included).
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dsrl.rl.sample_codec import decode_sample, encode_sample
+from dsrl.rl.data.codec import decode_sample, encode_sample
 from dsrl.rollout.base import Completion
 
 SAMPLE_HEADER, SAMPLE_PAYLOAD = 0, 1  # bridge tags

@@ -6,9 +6,9 @@
    completion; every later turn t: one ``backend.generate`` of the active trajectories' full token prefixes
    (prompt + model turns + observations so far), one sample each, seeded ``derived_seed(seed, t)``, so a resumed
    run regenerates the same trajectories. Finished trajectories leave the batch;
-2. after each turn, each active trajectory's episode (:mod:`dsrl.rl.environment`; created by the factory before
+2. after each turn, each active trajectory's episode (:mod:`dsrl.rl.episodes.environment`; created by the factory before
    the first step) takes the model turn and returns an observation, a reward and whether it is done; the
-   observation's tokens are appended with loss mask 0 (:mod:`dsrl.rl.trajectory`);
+   observation's tokens are appended with loss mask 0 (:mod:`dsrl.rl.episodes.trajectory`);
 3. bounds: a model turn is cut where it would pass ``rollout.max_trajectory_tokens`` (the trajectory then ends,
    truncated, without a step); an episode not done after ``rollout.max_turns`` model turns ends truncated; an
    observation that would leave no room for a model token ends the trajectory truncated (logged once per round
@@ -19,7 +19,7 @@
    rank with nothing left calling it with no prompts. Generation runs in the watch's ``generation`` phase and
    the environment in its ``environment`` phase, each ending in a monitored barrier that names a stuck rank.
    Tensor-parallel peers: only the tensor source runs the environment; the peers adopt its turn results, so
-   they hold identical trajectories (:mod:`dsrl.rl.replica_data` rule 2).
+   they hold identical trajectories (:mod:`dsrl.rl.data.replica` rule 2).
 
 Scoring (:func:`score_trajectories`): the rule reward of a trajectory is the sum of its environment rewards, plus
 ``data.reward_fn`` of its last model turn's text when one is set; the accuracy of a built-in task is measured on
@@ -40,11 +40,11 @@ import torch.distributed as dist
 from dsrl.config import ConfigError
 from dsrl.core.collectives import all_reduce_floats
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.batching import Sample
-from dsrl.rl.environment import EnvironmentCaller, ObservationEncoder, Turn
-from dsrl.rl.replica_data import share_with_tensor_peers
-from dsrl.rl.reward_contract import _short
-from dsrl.rl.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, Trajectory
+from dsrl.rl.data.batching import Sample
+from dsrl.rl.data.replica import share_with_tensor_peers
+from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder, Turn
+from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, Trajectory
+from dsrl.rl.rewards.contract import _short
 
 log = logging.getLogger("dsrl.episodes")
 

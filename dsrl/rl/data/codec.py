@@ -1,6 +1,6 @@
-"""One rollout sample (any dataclass, e.g. :class:`dsrl.rl.batching.Sample`) <-> a compact byte string.
+"""One rollout sample (any dataclass, e.g. :class:`dsrl.rl.data.batching.Sample`) <-> a compact byte string.
 
-The data path (:mod:`dsrl.rl.replica_data`) moves samples between ranks as bytes; this codec decides
+The data path (:mod:`dsrl.rl.data.replica`) moves samples between ranks as bytes; this codec decides
 the bytes. It is generic over the dataclass's fields, so a field added to ``Sample`` travels without
 any change here, and it is exact: ``decode_sample(encode_sample(s))`` equals ``s`` field by field,
 bit for bit.

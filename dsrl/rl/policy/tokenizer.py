@@ -13,7 +13,7 @@ from typing import Any
 
 from dsrl.config import ConfigError, ModelConfig
 
-DSRL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DSRL_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dsrl/rl/policy/ -> dsrl/
 TINY_TOKENIZER_PATH = os.path.join(DSRL_DIR, "assets", "tiny_tokenizer")
 
 

@@ -44,7 +44,7 @@ class RewardModel:
         """Load ``path`` (``dsrl.data.reward_model``) and place it like the policy engine ``rl``."""
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        from dsrl.rl.models import resolve_dtype
+        from dsrl.rl.policy.model import resolve_dtype
 
         field = "dsrl.data.reward_model"
         if not os.path.isdir(path):
@@ -106,7 +106,7 @@ def save_tiny_reward_model(path: str, tokenizer: Any, arch: str = "qwen2", seed:
     ``path`` with ``save_pretrained`` (built from a config: no download). Returns ``path``."""
     from transformers import AutoModelForSequenceClassification
 
-    from dsrl.rl.models import tiny_config
+    from dsrl.rl.policy.model import tiny_config
 
     config = tiny_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
                          {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, **(overrides or {})})

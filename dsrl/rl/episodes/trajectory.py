@@ -1,8 +1,8 @@
-"""A multi-turn trajectory as token lists, and the :class:`dsrl.rl.batching.Sample` it becomes (ARCHITECTURE §8).
+"""A multi-turn trajectory as token lists, and the :class:`dsrl.rl.data.batching.Sample` it becomes (ARCHITECTURE §8).
 
 A trajectory is one sequence: the prompt, then model turns and environment observations interleaved. Invariants
 kept by :class:`Trajectory` (and so by every multi-turn sample, whatever produced it: the rollout
-(:mod:`dsrl.rl.episodes`), the supervised warm-up's demonstrations, or the exactness check's synthetic data):
+(:mod:`dsrl.rl.episodes.driver`), the supervised warm-up's demonstrations, or the exactness check's synthetic data):
 
 - token-in/token-out: the tokens of a model turn are stored exactly as the backend generated them (never
   decoded and re-tokenized); observation tokens are appended after them;
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dsrl.rl.batching import Sample
+from dsrl.rl.data.batching import Sample
 
 # Why a trajectory ended (Sample.ended_by): the environment said done; the model turn bound; the token bound
 # (a model turn cut, or no room for a next turn); an observation that did not fit in the token bound; an

@@ -6,7 +6,7 @@ correction, advantages and data path):
 
 - ``sync_weights()`` at the start of rollout r publishes the trainer's weights as **version r** (the
   ``state_dict``, gathered once under ZeRO-3: collective among the trainers; trainer 0 sends). The first call
-  of a run, or of a resumed run, first sends the control message (:mod:`dsrl.rl.wire`);
+  of a run, or of a resumed run, first sends the control message (:mod:`dsrl.rl.disagg.wire`);
 - ``generate(prompts, G, seed)`` returns this replica's completions of rollout r as its generator sent them,
   generated with version max(v0, r - k), v0 the version this invocation started from and k
   ``algorithm.max_staleness``; each completion carries that version. The prompts are checked against the
@@ -35,10 +35,10 @@ import torch.distributed as dist
 from dsrl.config import DsrlConfig
 from dsrl.core.errors import RunError
 from dsrl.core.plan import BatchPlan
-from dsrl.rl.data import PromptSource
-from dsrl.rl.replica_data import is_source
-from dsrl.rl.roles import Role
-from dsrl.rl.wire import SampleReceiver, WeightLayout, WeightSender, send_control
+from dsrl.rl.data.prompts import PromptSource
+from dsrl.rl.data.replica import is_source
+from dsrl.rl.disagg.roles import Role
+from dsrl.rl.disagg.wire import SampleReceiver, WeightLayout, WeightSender, send_control
 from dsrl.rollout.base import Completion, RolloutBackend
 from dsrl.rollout.policy import gathered_for_generation, unwrap
 
