@@ -61,13 +61,14 @@ from dsrl.config.names import (
     SEQ_MEAN_TOKEN_SUM_NORM,
     TOKEN_MEAN,
 )
+from dsrl.core.logprobs import LOGPROB_MASK
 
 # Powers of two: lr * g is exact. With 2**20, p_after - p_before is dominated by lr * g even for small
 # gradients (the float32 read-back of p_after then costs ~2**-24 relative); fp16 parameters would overflow
 # (max 65504), so fp16 runs keep 2**10.
 LR = float(2**20)
 LR_FP16 = float(2**10)
-MODELS = ("auto", "tiny", "llama", "qwen2", "mixtral")
+MODELS = ("auto", "tiny", "llama", "llama_untied", "qwen2", "mixtral")
 # --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
 # counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp);
 # count_observations (--data multiturn: dsrl's step on samples whose observation tokens are counted, a planted bug)
@@ -90,6 +91,10 @@ class TinyCausalModel(torch.nn.Module):
         self.mix = torch.nn.Linear(hidden, hidden)
         self.out = torch.nn.Linear(hidden, vocab)
 
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        """The output head (transformers' name): dsrl's log-probs fuse it into a tiled log-softmax."""
+        return self.out
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
         steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype).view(1, -1, 1)
@@ -98,15 +103,16 @@ class TinyCausalModel(torch.nn.Module):
 
 
 def hf_model(arch: str) -> torch.nn.Module:
-    """A tiny Hugging Face causal LM from a config (no download): Llama or Qwen2 (tied embeddings, GQA), or a
-    Mixtral MoE (4 experts, top-2, eager expert loop so the float64 reference runs the same code)."""
+    """A tiny Hugging Face causal LM from a config (no download): Llama or Qwen2 (tied embeddings, GQA), a Llama
+    with its own output head (``llama_untied``: under AutoTP a vocabulary-parallel head), or a Mixtral MoE (4
+    experts, top-2, eager expert loop so the float64 reference runs the same code)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0)
-    if arch in ("qwen2", "llama"):
+    if arch in ("qwen2", "llama", "llama_untied"):
         cls = Qwen2Config if arch == "qwen2" else LlamaConfig
-        config = cls(intermediate_size=2 * HIDDEN, tie_word_embeddings=True, **common)
+        config = cls(intermediate_size=2 * HIDDEN, tie_word_embeddings=arch != "llama_untied", **common)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     config = MixtralConfig(intermediate_size=HIDDEN, num_local_experts=4, num_experts_per_tok=2,
                            tie_word_embeddings=False, output_router_logits=False, **common)
@@ -189,6 +195,7 @@ def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         for k in out:
             out[k][i, :n] = s[k]
     out["advantages"] = torch.stack([s["advantages"] for s in seqs])
+    out[LOGPROB_MASK] = out["loss_mask"] > 0  # the positions the fused head computes (host), as the trainer's collate
     return out
 
 
@@ -393,7 +400,7 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
         mb.pop("reference_mask", None)  # the reference's, never dsrl's
     dtype = next(engine.module.parameters()).dtype
     dev = engine.device
-    micros = [{k: v.to(dev) for k, v in mb.items()} for mb in micros]
+    micros = [{k: v if k == LOGPROB_MASK else v.to(dev) for k, v in mb.items()} for mb in micros]
     for mb in micros:
         for key in ("advantages", *_FLOAT_KEYS):
             if key in mb:
@@ -419,12 +426,23 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
             "worst_parameter": worst_parameter(update, ref),
             "dense_error": relative_error(update, ref, lambda n: not is_expert(n)) if moe else None,
             "expert_error": relative_error(update, ref, is_expert) if moe else None,
-            "micro_batches": len(micros), "tokens": metrics.get("tokens"),
+            "micro_batches": len(micros), "tokens": metrics.get("tokens"), "logprob_head": logprob_head(engine.module),
             "lora": lora is not None,
             "adapter_error": relative_error(update, ref, set(adapter_parameters(ref)).__contains__) if lora else None,
             "trainable_parameters": sum(p.numel() for p in reference.parameters() if p.requires_grad),
             "frozen_moved": max((float((update[n]).abs().max()) for n, p in reference.named_parameters()
                                  if not p.requires_grad), default=0.0)}
+
+
+def logprob_head(module: torch.nn.Module) -> str:
+    """How the check's log-probs were computed: ``fused`` (the output head fused into the tiled log-softmax),
+    ``fused vocab-parallel`` (a vocabulary-parallel head, e.g. an untied head under AutoTP) or ``logits: <why>``."""
+    from dsrl.rl.policy.logprobs import fused_head
+
+    how = fused_head(module)
+    if isinstance(how, str):
+        return f"logits: {how}"
+    return "fused" if how[1] is None else "fused vocab-parallel"
 
 
 def tolerance_for(ds_config: dict) -> float:
@@ -445,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                              "counts summed over the whole world (wrong under tensor parallelism); both are expected "
                              "to fail (they show the check can fail); only dsrl results count towards the exit code")
     parser.add_argument("--model", default="auto", choices=MODELS,
-                        help="tiny (custom), llama, qwen2 or mixtral (tiny Hugging Face models); auto = tiny, or llama "
-                             "under AutoTP, mixtral under AutoEP")
+                        help="tiny (custom), llama, llama_untied (its own output head), qwen2 or mixtral (tiny Hugging "
+                             "Face models); auto = tiny, or llama under AutoTP, mixtral under AutoEP")
     parser.add_argument("--objective", default="policy",
                         help=f"comma list of {', '.join(OBJECTIVES)}: the per-token loss checked (policy = -A log pi; "
                              "gspo = sequence-level clipped ratio; value = the critic's clipped value loss)")

@@ -11,8 +11,9 @@
   reference applies the definition in float64 (weights w~ = min(w, C), or masks [1/C, C], per token or per
   sequence).
 
-The dsrl side calls dsrl.algos.losses; the reference side (:func:`reference_per_token_loss`) is written
-independently, in float64.
+The dsrl side computes log-probs as the trainer does (the output head fused into a tiled log-softmax,
+:mod:`dsrl.rl.policy.logprobs`) and calls dsrl.algos.losses; the reference side (:func:`reference_per_token_loss`)
+is written independently, in float64, from the model's full logits and a plain log-softmax.
 """
 
 from __future__ import annotations
@@ -35,17 +36,23 @@ def value_model(arch: str) -> torch.nn.Module:
     head dropout, Qwen2 (``tiny``/``auto``) or Llama."""
     from transformers import AutoModelForTokenClassification, LlamaConfig, Qwen2Config
 
-    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    cls = LlamaConfig if arch.startswith("llama") else Qwen2Config
     config = cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0,
                  intermediate_size=2 * HIDDEN, num_labels=1, classifier_dropout=0.0)
     return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
 
 
+def _run(model: Any, micro: dict[str, torch.Tensor]) -> Any:
+    return model(micro["input_ids"])
+
+
 def _logprobs(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = model(micro["input_ids"])
-    logits = getattr(logits, "logits", logits)  # a transformers model returns an output object
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    """log pi(target) ``[b, t]`` as the trainer computes it: the model's output head fused into a tiled
+    log-softmax at the micro-batch's selected positions (:func:`dsrl.rl.policy.logprobs.forward_logprobs`)."""
+    from dsrl.rl.policy.logprobs import forward_logprobs
+
+    return forward_logprobs(model, micro, run=_run).logprobs
 
 
 def per_token_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:

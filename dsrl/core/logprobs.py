@@ -40,6 +40,9 @@ import torch.nn.functional as F
 LOGIT_CHUNK_BYTES = 1 << 28
 STATS = 3
 LOGPROB, ENTROPY, TARGET_GAP = range(STATS)
+# The micro-batch key of the positions whose log-probs a pass computes: a [b, t] bool mask, kept on the host
+# (dsrl.rl.data.batching.collate: the positions whose target is a completion token; dsrl.rl.policy.logprobs).
+LOGPROB_MASK = "logprob_mask"
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class VocabShard:
     """This rank's part of a vocabulary-parallel output head: the weight holds vocabulary ids
     ``[start, start + weight rows)``, the other ranks of ``group`` hold the rest. ``largest`` is the row count
     of the largest shard in the group: every rank chunks by it, so all run the same collectives. The hidden
-    states (and targets) must be the same on every rank of the group, as for a column-parallel layer."""
+    states (and targets) must be the same on every rank of the group, as for a column-parallel layer.
+    ``group=None`` combines nothing (right only when the shard is the whole vocabulary)."""
 
     group: Any
     start: int
@@ -206,7 +210,7 @@ class _HeadStats(torch.autograd.Function):
             if grad_h is not None:
                 grad_h.add_(g @ w_block)
         if grad_h is not None:
-            if shard is not None:
+            if shard is not None and shard.group is not None:
                 dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=shard.group)
             grad_h = grad_h.to(hidden.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None

@@ -42,7 +42,6 @@ from dsrl.algos.correction import Mismatch, correct
 from dsrl.algos.losses import kl_estimate
 from dsrl.config import DsrlConfig
 from dsrl.core.collectives import all_reduce_floats
-from dsrl.core.logprobs import token_logprobs
 from dsrl.core.plan import BatchPlan
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.data.batching import Sample, chunks, collate, completion_positions
@@ -50,7 +49,7 @@ from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import is_source, share_with_tensor_peers
 from dsrl.rl.episodes.driver import generate_trajectory_groups
 from dsrl.rl.episodes.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, model_mask
-from dsrl.rl.policy.model import forward_logits
+from dsrl.rl.policy.logprobs import forward_logprobs
 from dsrl.rollout.base import RolloutBackend
 
 
@@ -291,24 +290,24 @@ class ExperienceMaker:
 
     # -- log-probs and advantages -----------------------------------------------------------------
     def _logprob_fn(self):
+        """``fn(model, micro)``: log pi(target) at the micro-batch's completion positions, ``[n]``, on the device
+        (the output head fused into a tiled log-softmax, :func:`dsrl.rl.policy.logprobs.forward_logprobs`)."""
         temp = self.d.rollout.temperature
 
         def fn(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-            logits = forward_logits(model, micro)
-            return token_logprobs(logits, micro["targets"], temp).float().cpu()
+            return forward_logprobs(model, micro, temperature=temp).selected_logprobs
 
         return fn
 
     def score_logprobs(self, samples: list[Sample]) -> None:
         """Old (and reference) log-probs of every local sample, once per rollout, before any update;
-        with ``kl_in = "reward"`` the reward is penalised by the summed k1 KL here."""
+        with ``kl_in = "reward"`` the reward is penalised by the summed k1 KL here. Each pass's results stay on
+        the device until the pass ends, then leave it in one copy (:func:`per_sample`)."""
         groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
         micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
         fn = self._logprob_fn()
-        outs = self.policy.forward_no_grad(micros, fn)
-        for g, lp in zip(groups, outs):
-            for s, row, sl in zip(g, lp, completion_positions(g)):
-                s.old_logprobs = row[sl].tolist()
+        for s, lp in zip(samples, per_sample(self.policy.forward_no_grad(micros, fn), samples)):
+            s.old_logprobs = lp
         if self.critic is not None:
             for g, values in zip(groups, self.critic.values(micros)):
                 for s, row, sl in zip(g, values, completion_positions(g)):
@@ -319,9 +318,8 @@ class ExperienceMaker:
             # A reference that runs through the policy's engine (LoRA: adapters disabled) pads its forwards itself.
             refs = (self.ref_model.forward_no_grad(micros, fn) if hasattr(self.ref_model, "forward_no_grad")
                     else [fn(self.ref_model, micro) for micro in micros])
-            for g, lp in zip(groups, refs):
-                for s, row, sl in zip(g, lp, completion_positions(g)):
-                    s.ref_logprobs = row[sl].tolist()
+            for s, lp in zip(samples, per_sample(refs, samples)):
+                s.ref_logprobs = lp
         if self.d.algorithm.kl_in == "reward" and self.critic is None:  # with a critic: per token, in gae_advantages
             coef = self.d.algorithm.kl_coef
             for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)
@@ -416,6 +414,19 @@ class ExperienceMaker:
             stats.add_staleness(samples, trainer_version=rollout_index)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds
+
+
+def per_sample(outs: list[torch.Tensor], samples: list[Sample]) -> list[list[float]]:
+    """One pass's log-probs per sample: ``outs`` are the micro-batches' completion-position values ``[n]`` (in
+    sample order, one per completion token), copied to the host in one piece and cut by completion length."""
+    flat = torch.cat(outs).tolist() if outs else []
+    cut, start = [], 0
+    for s in samples:
+        cut.append(flat[start:start + s.completion_len])
+        start += s.completion_len
+    if start != len(flat):
+        raise RuntimeError(f"the log-prob pass returned {len(flat)} values for {start} completion tokens")
+    return cut
 
 
 def masked_rewards(samples: list[Sample]) -> torch.Tensor:

@@ -32,13 +32,12 @@ from typing import Any
 import torch
 
 from dsrl.config import ConfigError, DsrlConfig
-from dsrl.core.logprobs import token_logprobs
 from dsrl.core.partition import partition_mini_batch
 from dsrl.core.plan import BatchPlan
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import my_micro_batches
-from dsrl.rl.policy.model import forward_logits
+from dsrl.rl.policy.logprobs import forward_logprobs
 
 
 class SupervisedWarmup:
@@ -100,12 +99,10 @@ class SupervisedWarmup:
 
     @staticmethod
     def loss_fn(engine: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token negative log-likelihood of the answer, and whether the greedy token is the answer's."""
-        logits = forward_logits(engine, micro)
-        nll = -token_logprobs(logits, micro["targets"])
-        with torch.no_grad():
-            hit = (logits.argmax(-1) == micro["targets"]).float()
-        return nll, {"token_accuracy": hit}
+        """Per-token negative log-likelihood of the answer, and whether the answer's token has the largest logit
+        (both from the fused output head's tiles, :mod:`dsrl.rl.policy.logprobs`)."""
+        tok = forward_logprobs(engine, micro)
+        return -tok.logprobs, {"token_accuracy": tok.target_is_top}
 
     def run(self, on_step: Callable[[int, Any], None]) -> None:
         """Run every warm-up step; ``on_step(step, result)`` after each."""

@@ -49,7 +49,6 @@ from dsrl.config import Config, ConfigError, load_config
 from dsrl.config.names import VLLM_BACKEND
 from dsrl.core import collectives, timeouts
 from dsrl.core.errors import RunError
-from dsrl.core.logprobs import token_entropy, token_logprobs
 from dsrl.core.partition import mini_batches, partition_mini_batch
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.data.batching import Sample
@@ -57,7 +56,7 @@ from dsrl.rl.data.replica import RolloutIndex, my_micro_batches
 from dsrl.rl.disagg.remote import GenerationStopped
 from dsrl.rl.disagg.roles import Role, check_layout
 from dsrl.rl.experience import ExperienceMaker, Rewards
-from dsrl.rl.policy.model import forward_logits
+from dsrl.rl.policy.logprobs import forward_logprobs
 from dsrl.rl.rewards.contract import all_timed_out
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
 from dsrl.runtime.stop import StopControl, StopRun
@@ -244,8 +243,11 @@ class Trainer:
         """Per-token loss: clipped surrogate (token or sequence ratio), times the off-policy correction's weight
         when one is set, (+ KL in loss) (- entropy bonus), and per-token metrics."""
         a, algo = self.d.algorithm, self.algo
-        logits = forward_logits(engine, micro)
-        logp = token_logprobs(logits, micro["targets"], self.d.rollout.temperature)
+        # log-probs and entropy from the same tiles of the fused output head (dsrl.rl.policy.logprobs); the entropy
+        # carries a gradient only when it is in the loss
+        tok = forward_logprobs(engine, micro, temperature=self.d.rollout.temperature, entropy=True,
+                               entropy_grad=a.entropy_coef > 0)
+        logp = tok.logprobs
         if algo.ratio_level == "sequence":
             index = sequence_index(micro["loss_mask"], micro["position_ids"])
             loss, m = sequence_clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
@@ -261,13 +263,10 @@ class Trainer:
             metrics["kl"] = kl.detach()
             if a.kl_in == "loss":
                 loss = loss + a.kl_coef * kl
+        ent = tok.entropy
         if a.entropy_coef > 0:
-            ent = token_entropy(logits, self.d.rollout.temperature)
             loss = loss - a.entropy_coef * ent
-            metrics["entropy"] = ent.detach()
-        else:
-            with torch.no_grad():
-                metrics["entropy"] = token_entropy(logits.detach(), self.d.rollout.temperature)
+        metrics["entropy"] = ent.detach()
         return loss, metrics
 
     def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:

@@ -3,9 +3,12 @@
 Multi-process: the finalized gradient of dsrl's one-call Megatron step equals a single-process
 float64 reference of L_M (relative error <= 1e-6 per parameter tensor) for DP=2 with 2 and 3
 micro-batches on the two replicas, TP=2, PP=2 (1F1B), CP=2 (per-token model, hand- and
-dsrl-sharded) and TP=2 x DP=2, all four loss_agg modes and both reduction conventions. The same
+dsrl-sharded) and TP=2 x DP=2, all four loss_agg modes and both reduction conventions; at TP=2 (and
+TP=2 x DP=2) also with log-probs and entropy from dsrl's fused vocabulary-parallel output layer, against a
+plain float64 log-softmax of the full logits. The same
 launches show the failure modes the guards exist for: TP double counting (gradient x 1/2), two
-forward_backward_func calls in one per-token step, and shard-local n_s under CP.
+forward_backward_func calls in one per-token step, shard-local n_s under CP, and a fused head that takes its
+vocabulary slice for the whole vocabulary.
 In-process: the CP cut matches megatron-core's get_batch_on_this_cp_rank, the scheduler driver,
 and the ImportError message.
 """
@@ -63,6 +66,13 @@ def test_megatron_dp_tp_pp_cp_exact_and_guards(tmp_path):
     assert all(c["result"]["micro_batches"] == 3 for c in dp)
     assert {c["result"]["filler_micro_batches"] for c in dp} <= {0, 1}
 
+    # dsrl's fused output layer at TP=2 (log-probs and entropy from the vocabulary-parallel head without logits,
+    # dsrl.backends.megatron.fused_output_layer): exact against a plain float64 log-softmax of the full logits;
+    # the planted bug (each rank's vocabulary slice taken for the whole vocabulary: no all-reduce) is wrong.
+    _check_exact(cases, "tp2/fused", 8)
+    (unsharded,) = [c for c in cases if c["expect"] == "wrong:unsharded"]
+    assert unsharded["error"] > 0.1, unsharded
+
     # TP double count: counting over the whole world (TP peers included) halves the gradient.
     (tp_wrong,) = [c for c in cases if c["expect"] == "ratio:0.5"]
     assert abs(tp_wrong["ratio"] - 0.5) < 1e-6, tp_wrong
@@ -98,6 +108,8 @@ def test_megatron_dp_tp_pp_cp_exact_and_guards(tmp_path):
 def test_megatron_tp2_dp2_exact(tmp_path):
     res = _run_suite(tmp_path, "tp2dp2", 4)
     _check_exact(res["cases"], "tp2dp2", 8)
+    fused = [c for c in res["cases"] if c["layout"] == "tp2dp2/fused"]  # the fused vocabulary-parallel head
+    assert len(fused) == 4 and max(c["error"] for c in fused) <= TOL, fused
 
 
 @pytest.mark.parametrize("layout,args", [

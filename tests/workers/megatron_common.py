@@ -15,6 +15,7 @@ from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighte
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, MAX_POS = 64, 32, 4, 2, 16, 32
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+TEMPERATURE, ENTROPY_COEF = 0.8, 0.05  # the fused output layer's cases (gpt_fused_forward, fused_ppo_loss)
 NORM_LENGTH = 12
 
 
@@ -82,6 +83,31 @@ def make_replicas(seed: int, counts: list[int]) -> list[list[dict]]:
 
 def gpt_forward(model: Any, mb: dict) -> torch.Tensor:
     return model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None, labels=mb["labels"])
+
+
+def gpt_fused_forward(model: Any, mb: dict, vocab_parallel: bool = True) -> torch.Tensor:
+    """[b, s, STATS] (log pi, entropy, gap) from the vocabulary-parallel output layer fused into dsrl's tiled
+    log-softmax (dsrl.backends.megatron.fused_output_layer): no logits."""
+    from dsrl.backends.megatron import fused_output_layer
+
+    with fused_output_layer(model, mb["labels"], temperature=TEMPERATURE, entropy_grad=True,
+                            vocab_parallel=vocab_parallel):
+        return model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
+
+
+def gpt_reference_stats(model: Any, mb: dict) -> torch.Tensor:
+    """[b, s, 2] (log pi, entropy) from the model's full logits and a plain float64 log-softmax (the reference)."""
+    logits = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
+    logp = torch.log_softmax(logits.double() / TEMPERATURE, dim=-1)
+    return torch.stack([logp.gather(-1, mb["labels"].unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)], -1)
+
+
+def fused_ppo_loss(output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """output = [b, s, >= 2] (log pi, entropy) -> PPO clipped loss minus an entropy bonus, per token."""
+    logp, entropy = output[..., 0], output[..., 1]
+    loss, info = clipped_policy_loss(logp, mb["old_logprobs"].to(logp.dtype), mb["advantages"].to(logp.dtype),
+                                     CLIP_LOW, CLIP_HIGH)
+    return loss - ENTROPY_COEF * entropy, {"ratio": info["ratio"]}
 
 
 def ppo_loss(output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

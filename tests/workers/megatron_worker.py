@@ -43,10 +43,10 @@ class Recorder:
         self.checks: dict[str, Any] = {}
 
     def add(self, layout: str, convention: str, mode: str, params: dict, grads: dict, micros: list[dict],
-            expect: str = "exact", result: dict | None = None) -> None:
+            expect: str = "exact", result: dict | None = None, fused: bool = False) -> None:
         if dist.get_rank() == 0:
             self.cases.append({"layout": layout, "convention": convention, "mode": mode, "params": params,
-                               "grads": grads, "micros": micros, "expect": expect,
+                               "grads": grads, "micros": micros, "expect": expect, "fused": fused,
                                "result": {k: v for k, v in (result or {}).items() if isinstance(v, (int, float))}})
 
 
@@ -86,6 +86,33 @@ def run_equivalence(rec: Recorder, layout: str, counts: list[int], seed: int) ->
             rec.add(layout, conv, mode, params, mc.gather_full(ddp, "grad"), all_micros, result=res)
         rec.checks[f"{layout}/{conv}/scheduler_position"] = step.driver.position
         rec.checks[f"{layout}/{conv}/optimizer_steps"] = step.optimizer_steps
+
+
+def run_fused(rec: Recorder, layout: str, counts: list[int], seed: int, *, vocab_parallel: bool = True,
+              conventions: tuple[str, ...] = CONVENTIONS, modes: tuple[str, ...] = LOSS_AGG_MODES,
+              expect: str = "exact") -> None:
+    """The PPO loss with an entropy bonus on log-probs from the vocabulary-parallel output layer fused into dsrl's
+    tiled log-softmax (mc.gpt_fused_forward); the reference: the model's full logits, a plain float64 log-softmax.
+    ``vocab_parallel=False`` is the planted bug (each rank's slice taken for the whole vocabulary)."""
+    import functools
+
+    from megatron.core import parallel_state as ps
+
+    replicas = mc.make_replicas(seed, counts)
+    all_micros = [mb for rep in replicas for mb in rep]
+    mine = replicas[ps.get_data_parallel_rank()]
+    bsz = sum(mb["loss_mask"].shape[0] for mb in all_micros)
+    forward = functools.partial(mc.gpt_fused_forward, vocab_parallel=vocab_parallel)
+    for conv in conventions:
+        ddp, opt, sched = mc.build_parallel(conv == "per_token")
+        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz,
+                              loss_agg_norm_length=mc.NORM_LENGTH)
+        for mode in modes:
+            step.loss_agg = mode
+            params = mc.gather_full(ddp, "param")
+            res = step.train_step(mine, forward, mc.fused_ppo_loss)
+            rec.add(layout, conv, mode, params, mc.gather_full(ddp, "grad"), all_micros, expect=expect, result=res,
+                    fused=True)
 
 
 def run_dp_extras(rec: Recorder) -> None:
@@ -190,7 +217,8 @@ def references(rec: Recorder) -> list[dict[str, Any]]:
     for case in rec.cases:
         model = mc.reference_gpt(case["params"])
         bsz = sum(mb["loss_mask"].shape[0] for mb in case["micros"])
-        ref = mc.reference_grads(model, case["micros"], case["mode"], mc.gpt_forward, mc.ppo_loss, bsz)
+        forward, loss = (mc.gpt_reference_stats, mc.fused_ppo_loss) if case["fused"] else (mc.gpt_forward, mc.ppo_loss)
+        ref = mc.reference_grads(model, case["micros"], case["mode"], forward, loss, bsz)
         out.append({"layout": case["layout"], "convention": case["convention"], "mode": case["mode"],
                     "expect": case["expect"], "error": mc.relative_error(case["grads"], ref),
                     "ratio": mc.ratio_to_reference(case["grads"], ref), "result": case["result"]})
@@ -216,6 +244,9 @@ def main() -> None:
         _init_layout(tp=2)
         run_equivalence(rec, "tp2", [3], seed=2)
         run_tp_double_count(rec)
+        run_fused(rec, "tp2/fused", [3], seed=6)
+        run_fused(rec, "tp2/fused", [3], seed=6, vocab_parallel=False, conventions=("per_token",),
+                  modes=("token-mean",), expect="wrong:unsharded")
         timings["tp2"] = time.time() - t0
         _init_layout(pp=2)
         run_equivalence(rec, "pp2", [3], seed=3)
@@ -227,6 +258,7 @@ def main() -> None:
         assert dist.get_world_size() == 4
         _init_layout(tp=2)
         run_equivalence(rec, "tp2dp2", [2, 3], seed=4)
+        run_fused(rec, "tp2dp2/fused", [2, 3], seed=8, conventions=("per_token",))
         cp_cases = []
         timings["tp2dp2"] = time.time() - t0
     _init_layout()

@@ -10,9 +10,10 @@ What dsrl relies on (DeepSpeed 0.19.8, measured on 2 and 4 CPU ranks with gloo):
   group is the data-parallel group, and tensor peers must hold identical micro-batches
   (:mod:`dsrl.rl.data.replica` decides who gets what);
 - with a tied embedding and output head, AutoTP follows the model's HF ``tp_plan`` and makes the head
-  vocabulary-parallel: every rank then gets logits over its slice of the vocabulary only. dsrl's
-  per-token log-probabilities and the sampler need the whole vocabulary, so dsrl sets
-  ``tensor_parallel.vocab_parallel_lm_head: false`` and refuses ``true``;
+  vocabulary-parallel: every rank then gets logits over its slice of the vocabulary only. The sampler
+  needs the whole vocabulary, so dsrl sets ``tensor_parallel.vocab_parallel_lm_head: false`` and refuses
+  ``true``: the tied head stays a replicated ``nn.Linear``. An untied head becomes a column-parallel layer
+  that all-gathers its logits; dsrl's log-probs use its vocabulary shard directly (:func:`vocab_shard_of`);
 - AutoTP replaces DeepSpeed's ``mpu`` with its own groups (``DeepSpeedEngine._configure_tensor_parallel_states``
   sets ``self.mpu = groups``), so a caller's mpu (Ulysses sequence parallelism included) cannot be
   combined with it: refused before work.
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from dsrl.config import ConfigError
+from dsrl.core.logprobs import VocabShard
 
 SECTION = "tensor_parallel"
 
@@ -105,6 +107,25 @@ def check_model_for_tensor_parallel(model: torch.nn.Module, tp: int) -> None:
             f"ds_config {SECTION}.autotp_size = {tp} needs a Hugging Face model (a transformers PreTrainedModel with "
             f"a config), got {type(model).__name__}: AutoTP finds the layers to shard from the model's config and "
             "tp_plan. Fix: pass a transformers model, or set autotp_size to 1.")
+
+
+def vocab_shard_of(head: torch.nn.Module) -> VocabShard | None:
+    """The vocabulary shard of AutoTP's column-parallel output head that gathers its output (what AutoTP makes of
+    an untied ``lm_head``: each rank holds a slice of the vocabulary's rows, uneven slices allowed, and the full
+    logits are all-gathered), read from DeepSpeed's universal-checkpoint metadata; None for any other module
+    (a replicated head is a plain ``nn.Linear``). :mod:`dsrl.rl.policy.logprobs` then computes the log-probs
+    vocabulary-parallel over the tensor group instead of gathering the logits."""
+    try:
+        from deepspeed.module_inject.layers import LinearLayer
+    except ImportError:
+        return None
+    if type(head) is not LinearLayer or not head.gather_output or head.defer_collectives_to_compiler:
+        return None
+    meta = _tensor_parallel_meta(head.weight)
+    if head.mp_group is None or meta is None or meta.get("partition_dim") != 0:
+        return None
+    sizes = list(meta["partition_sizes"])
+    return VocabShard(group=head.mp_group, start=sum(sizes[:head.tp_index]), largest=max(sizes))
 
 
 def _tensor_parallel_meta(param: torch.Tensor) -> dict[str, Any] | None:

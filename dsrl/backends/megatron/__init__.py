@@ -11,7 +11,9 @@ only torch. Public names:
   in ``"optimizer_steps"`` or ``"samples"``;
 - :func:`shard_for_context_parallel` -- Megatron's load-balanced CP cut carrying whole-sequence n_s;
 - :func:`megatron_view` -- the :class:`dsrl.core.parallel.ParallelView` of a Megatron layout: the
-  token-owning group and the DDP's real gradient factor, validated.
+  token-owning group and the DDP's real gradient factor, validated;
+- :func:`fused_output_layer` -- per-token log-probs (and entropy) of a ``GPTModel`` from its vocabulary-parallel
+  output layer fused into dsrl's tiled log-softmax, without logits.
 
 See docs/megatron.md.
 
@@ -20,6 +22,7 @@ May import: :mod:`dsrl.core`, :mod:`dsrl.config`, megatron-core; never :mod:`dsr
 
 from dsrl.backends.megatron.cp import cp_chunk_index, shard_for_context_parallel, unshard_from_context_parallel
 from dsrl.backends.megatron.deps import require_megatron
+from dsrl.backends.megatron.logprobs import fused_output_layer
 from dsrl.backends.megatron.schedule import OPTIMIZER_STEPS, SAMPLES, SchedulerDriver, build_param_scheduler
 from dsrl.backends.megatron.step import AVERAGE, CONVENTIONS, PER_TOKEN, FinalizeOnce, MegatronRLStep
 from dsrl.backends.megatron.view import ddp_grad_factor, megatron_view, validate_count_group
@@ -36,6 +39,7 @@ __all__ = [
     "build_param_scheduler",
     "cp_chunk_index",
     "ddp_grad_factor",
+    "fused_output_layer",
     "megatron_view",
     "require_megatron",
     "shard_for_context_parallel",

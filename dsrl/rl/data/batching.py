@@ -14,7 +14,12 @@ re-partitioned every epoch. :func:`collate` turns samples into a right-padded mi
 - ``old_logprobs`` / ``ref_logprobs`` are aligned with ``targets``; ``advantages`` is ``[b]`` (one per
   sequence), or ``[b, t]`` aligned with ``targets`` when the samples carry per-token advantages (GAE);
 - with a critic, ``old_values`` (the critic's values at rollout time) and ``returns`` (its GAE
-  targets) are ``[b, t]`` aligned with ``targets``.
+  targets) are ``[b, t]`` aligned with ``targets``;
+- ``logprob_mask`` (:data:`dsrl.core.logprobs.LOGPROB_MASK`) ``[b, t]`` bool marks the positions whose target
+  is a completion token of the sample (every sample, active or not; a trajectory's observation tokens
+  included): the positions whose log-probs the passes compute (:mod:`dsrl.rl.policy.logprobs`), one per
+  completion token, in :func:`completion_positions` order. It stays on the host (the index the passes make
+  of it then costs no device synchronization), whatever ``device`` the other tensors go to.
 
 Per-token data (log-probs, values, returns, advantages) is a field of the :class:`Sample`, so it
 travels with the sample whichever way a rollout is exchanged between ranks.
@@ -28,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from dsrl.core.logprobs import LOGPROB_MASK
 
 
 @dataclass
@@ -94,6 +101,7 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
     targets = torch.full((b, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((b, width), dtype=torch.long)
     loss_mask = torch.zeros((b, width), dtype=torch.long)
+    logprob_mask = torch.zeros((b, width), dtype=torch.bool)
     old = torch.zeros((b, width), dtype=torch.float32)
     ref = torch.zeros((b, width), dtype=torch.float32)
     per_token = {key: torch.full((b, width), _FILL.get(key, 0.0), dtype=torch.float32)
@@ -105,6 +113,7 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
         targets[i, :n] = toks[1:]
         attention_mask[i, :n] = 1
         start = s.prompt_len - 1  # position whose target is the first completion token
+        logprob_mask[i, max(start, 0):n] = True
         if s.active and n > start:
             loss_mask[i, start:n] = 1
             if s.completion_mask is not None:
@@ -128,7 +137,7 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         **per_token,
     }
-    return {k: v.to(device) for k, v in out.items()}
+    return {**{k: v.to(device) for k, v in out.items()}, LOGPROB_MASK: logprob_mask}
 
 
 def collate_packed(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -142,7 +151,8 @@ def collate_packed(samples: list[Sample], pad_id: int, device: torch.device | st
     identical to the padded layout.
     """
     rows = [collate([s], pad_id, "cpu") for s in samples]
-    keys = ("input_ids", "targets", "loss_mask", "old_logprobs", "ref_logprobs", "old_values", "returns", "is_weights")
+    keys = ("input_ids", "targets", "loss_mask", "old_logprobs", "ref_logprobs", "old_values", "returns", "is_weights",
+            LOGPROB_MASK)
     token_keys = [k for k in keys if k in rows[0]]
     cat = {k: torch.cat([r[k][:, : s.length] for r, s in zip(rows, samples)], dim=1) for k in token_keys}
     cat["position_ids"] = torch.cat([torch.arange(s.length) for s in samples]).unsqueeze(0)
@@ -152,7 +162,7 @@ def collate_packed(samples: list[Sample], pad_id: int, device: torch.device | st
     n_s = [int(r["loss_mask"].sum()) for r in rows]
     cat["seq_valid_tokens"] = torch.cat([torch.full((s.length,), n) for s, n in zip(samples, n_s)]).unsqueeze(0)
     cat["num_sequences"] = torch.tensor([sum(1 for n in n_s if n > 0)])
-    return {k: v.to(device) for k, v in cat.items()}
+    return {k: v if k == LOGPROB_MASK else v.to(device) for k, v in cat.items()}
 
 
 # Collated [b, t] tensor -> the per-completion-token Sample field it is filled from.
