@@ -8,7 +8,7 @@ Workload: a Qwen2 of the ``scaled`` shape (26.5 M parameters, head size 64 so vL
 with random weights and an output head scaled to a logit std of ``--logit_std`` (a random init gives near
 uniform distributions, where every kernel agrees), P = 32 prompts x G = 4 samples x up to 64 tokens at
 temperature 1. mu comes from each backend's own ``behavior_logprobs``; pi_old from dsrl's trainer path
-(``dsrl.rl.data.batching.collate`` + the model's forward + ``dsrl.core.logprobs.token_logprobs``) on the same model
+(``dsrl.rl.data.batching.collate`` + ``dsrl.rl.policy.logprobs.forward_logprobs``, the fused head) on the same model
 in the same dtype. Reported over all completion tokens: mean and max |log pi_old - log mu|, the mean k3
 estimate of KL(mu || pi_old), the largest w = pi_old / mu, and the fraction of tokens whose w leaves
 [1/2, 2] (what ``rollout_correction.mode = "mis"`` with cap 2 would drop). Nothing asserts on these values.
@@ -28,9 +28,9 @@ import torch  # noqa: E402
 from _common import BOS, EOS, PAD, SHAPES, report, table  # noqa: E402
 
 from dsrl.config import ModelConfig, RolloutConfig  # noqa: E402
-from dsrl.core.logprobs import token_logprobs  # noqa: E402
 from dsrl.rl.data.batching import Sample, collate, completion_positions  # noqa: E402
-from dsrl.rl.policy.model import build_model, forward_logits  # noqa: E402
+from dsrl.rl.policy.logprobs import forward_logprobs  # noqa: E402
+from dsrl.rl.policy.model import build_model  # noqa: E402
 
 
 def policy(dtype: str, device: str, logit_std: float) -> torch.nn.Module:
@@ -58,7 +58,7 @@ def trainer_logprobs(model: torch.nn.Module, completions: list, device: str) -> 
         for start in range(0, len(samples), 16):
             chunk = samples[start:start + 16]
             micro = collate(chunk, PAD, device, with_logprobs=False)
-            lp = token_logprobs(forward_logits(model, micro), micro["targets"], 1.0).float().cpu()
+            lp = forward_logprobs(model, micro).logprobs.cpu()  # the trainer's own pass (fused head)
             out += [row[sl].tolist() for row, sl in zip(lp, completion_positions(chunk))]
     return out
 

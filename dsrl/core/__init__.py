@@ -1,10 +1,10 @@
 """The framework-free core: the batch plan, partitions, loss weights (§2) and the exact step.
 
 Owns: :class:`BatchPlan` (:mod:`.plan`), rollout -> mini-batch -> micro-batch partitions and rank
-balancing (:mod:`.partition`, :mod:`.balance`), the aggregation weights (:mod:`.weights`), chunked
-log-probs (:mod:`.logprobs`), the step every backend runs (:mod:`.step`), the parallel layout a rank
-sees (:mod:`.parallel`), small collectives and their time bounds (:mod:`.collectives`,
-:mod:`.timeouts`), seeds (:mod:`.seeds`) and run errors (:mod:`.errors`).
+balancing (:mod:`.partition`, :mod:`.balance`), the aggregation weights (:mod:`.weights`), log-probs
+with the output head fused into a tiled log-softmax (:mod:`.logprobs`), the step every backend runs
+(:mod:`.step`), the parallel layout a rank sees (:mod:`.parallel`), small collectives and their time
+bounds (:mod:`.collectives`, :mod:`.timeouts`), seeds (:mod:`.seeds`) and run errors (:mod:`.errors`).
 
 May import: :mod:`dsrl.config`, torch (torch.distributed only through a group it is given); never
 DeepSpeed or Megatron.

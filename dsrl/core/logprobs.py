@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 # The float32 working set of one chunk: rows (forward) or vocabulary columns (backward) are processed in chunks
-# whose two float32 [rows, V] buffers fit in this many bytes.
-LOGIT_CHUNK_BYTES = 1 << 28
+# whose two float32 [rows, V] buffers fit in this many bytes (at V = 151,936: 55 rows per chunk).
+LOGIT_CHUNK_BYTES = 1 << 26
 STATS = 3
 LOGPROB, ENTROPY, TARGET_GAP = range(STATS)
 # The micro-batch key of the positions whose log-probs a pass computes: a [b, t] bool mask, kept on the host
@@ -205,10 +205,16 @@ class _HeadStats(torch.autograd.Function):
             if grad_b is not None:
                 grad_b[v:v + width] = g.sum(0)
             g = g.to(compute)
-            if grad_w is not None:
-                grad_w[v:v + width] = g.t() @ h
+            if grad_w is not None:  # written in place: no second weight-sized tensor
+                if grad_w.dtype == compute:
+                    torch.mm(g.t(), h, out=grad_w[v:v + width])
+                else:
+                    grad_w[v:v + width] = g.t() @ h
             if grad_h is not None:
-                grad_h.add_(g @ w_block)
+                if compute == torch.float32:
+                    grad_h.addmm_(g, w_block)
+                else:
+                    grad_h.add_(g @ w_block)
         if grad_h is not None:
             if shard is not None and shard.group is not None:
                 dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=shard.group)

@@ -3,7 +3,8 @@
 - exactness (``dsrl.check``, a tiny Llama sharded by AutoTP, float64 unsharded reference, uneven
   micro-batches): TP=2 x DP=1 on ZeRO-0/1/2/3 and TP=2 x DP=2 (4 ranks) on ZeRO-2/3, all four loss_agg
   modes, relative error <= 1e-6; the guard: dsrl's own step with the counts summed over the whole
-  world (tensor peers counted as replicas) gives exactly half the gradient;
+  world (tensor peers counted as replicas) gives exactly half the gradient; log-probs from the fused
+  output head (tied: replicated; untied: AutoTP's vocabulary-parallel head, on ZeRO-1/3);
 - MoE: a tiny Mixtral with DeepSpeed's expert parallelism (2 experts per rank) on ZeRO-1/2/3, dense
   and expert parameters both exact; the same model without expert parallelism too;
 - generation: tensor peers generate identical completions (equal to the unsharded model's), and stay
@@ -44,10 +45,12 @@ def _check(tmp_path, nprocs: int, run_file: str, *args: str) -> list[dict]:
     return json.loads(out.read_text())["results"]
 
 
-def _assert_exact(results: list[dict], stages: set[int], replicas: int) -> None:
+def _assert_exact(results: list[dict], stages: set[int], replicas: int, modes: tuple[str, ...] = MODES,
+                  model: str = "llama", head: str = "fused") -> None:
     exact = [r for r in results if r["method"] == "dsrl"]
-    assert {(r["stage"], r["loss_agg"]) for r in exact} == {(s, m) for s in stages for m in MODES}
-    assert all(r["tensor_parallel_size"] == 2 and r["replicas"] == replicas and r["model"] == "llama" for r in exact)
+    assert {(r["stage"], r["loss_agg"]) for r in exact} == {(s, m) for s in stages for m in modes}
+    assert all(r["tensor_parallel_size"] == 2 and r["replicas"] == replicas and r["model"] == model for r in exact)
+    assert {r["logprob_head"] for r in results} == {head}  # dsrl.rl.policy.logprobs: the head fused in
     worst = max(exact, key=lambda r: r["error"])
     assert worst["error"] <= TOL, worst
 
@@ -71,6 +74,16 @@ def test_autotp_tp2_dp2_exact_on_zero23(tmp_path):
                      "--zero_stages", "2,3", "--splits", "pad_rank")
     _assert_exact(results, {2, 3}, replicas=2)
     assert {r["world_size"] for r in results} == {4}
+
+
+def test_autotp_untied_vocab_parallel_head_exact(tmp_path):
+    """An untied output head under AutoTP is column-parallel (each rank holds a slice of the vocabulary): dsrl's
+    log-probs and entropy use the slice directly (log-sum-exp and the target's logit all-reduced over the tensor
+    group, dsrl.backends.deepspeed.autotp.vocab_shard_of) instead of gathering the logits; exact on ZeRO-1/3."""
+    modes = ("token-mean", "seq-mean-token-sum")
+    results = _check(tmp_path, 2, _run_file(tmp_path, tensor_parallel={"autotp_size": 2}), "--model", "llama_untied",
+                     "--zero_stages", "1,3", "--splits", "uneven", "--loss_agg", ",".join(modes))
+    _assert_exact(results, {1, 3}, replicas=1, modes=modes, model="llama_untied", head="fused vocab-parallel")
 
 
 def test_moe_expert_parallel_exact_dense_and_experts(tmp_path):

@@ -1,7 +1,9 @@
 """Gradient equivalence: the applied update of a distributed, accumulated mini-batch equals a
 single-process float64 full-batch reference (relative error <= 1e-6 in float32) on ZeRO 0-3,
 1-3 ranks, even/uneven/padding-only/zero-token splits and all four loss_agg modes; the naive
-per-micro-batch mean fails measurably on the same data (so this test can fail)."""
+per-micro-batch mean fails measurably on the same data (so this test can fail). The log-probs come from
+the model's output head fused into dsrl's tiled log-softmax at the loss mask's positions (no full
+logits), the reference from the full logits and a plain float64 log-softmax."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def test_gradient_equivalence_all_stages_modes_splits(tmp_path, world):
     dsrl_res = [r for r in results if r["method"] == "dsrl"]
     naive = [r for r in results if r["method"] == "naive"]
     assert len(dsrl_res) == 4 * 4 * 4 and all(r["world_size"] == world for r in results)
+    # log-probs from the output head fused into the tiled log-softmax (dsrl.rl.policy.logprobs), as the trainer's
+    assert {r["logprob_head"] for r in results} == {"fused"}
     worst = max(dsrl_res, key=lambda r: r["error"])
     assert worst["error"] <= TOL, worst
     # The naive recipe is measurably wrong on the same data (except the all-zero mini-batch,

@@ -34,6 +34,7 @@ def test_adapters_update_exact_on_every_stage_and_mode(tmp_path):
     results = json.loads(out.read_text())["results"]
     exact = [r for r in results if r["method"] == "dsrl"]
     assert len(exact) == 4 * 4 * 2 and all(r["lora"] and r["world_size"] == 2 for r in results)
+    assert {r["logprob_head"] for r in results} == {"fused"}  # the head under PEFT, fused into the log-softmax
     worst = max(exact, key=lambda r: r["error"])
     assert worst["error"] <= TOL and max(r["adapter_error"] for r in exact) <= TOL, worst
     assert all(r["frozen_moved"] == 0.0 for r in results)  # the base never moves, whatever the step does

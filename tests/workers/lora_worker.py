@@ -52,9 +52,9 @@ def run_stage(stage: int) -> dict[str, Any]:
     from dsrl.backends.deepspeed.frozen import equal_forwards, frozen_engine
     from dsrl.cli.check import full_parameters
     from dsrl.config import LoraConfig, ModelConfig, RolloutConfig
-    from dsrl.core.logprobs import token_logprobs
+    from dsrl.rl.policy.logprobs import forward_logprobs
     from dsrl.rl.policy.lora import AdaptersDisabled
-    from dsrl.rl.policy.model import build_model, forward_logits, frozen_copy
+    from dsrl.rl.policy.model import build_model, frozen_copy
     from dsrl.rollout.cb import ContinuousBatchingBackend
     from dsrl.rollout.hf import HFRolloutBackend
     from dsrl.rollout.policy import gathered_for_generation, generation_weights, unwrap
@@ -89,8 +89,8 @@ def run_stage(stage: int) -> dict[str, Any]:
 
     micros = [micro(i) for i in range(3 - 2 * rank)]  # uneven: 3 and 1 forwards, fillers pad the short rank
 
-    def fn(m: Any, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_logprobs(forward_logits(m, mb), mb["targets"], 1.0).float().cpu()
+    def fn(m: Any, mb: dict[str, torch.Tensor]) -> torch.Tensor:  # the passes' fused head (every position here)
+        return forward_logprobs(m, mb).logprobs.cpu()
 
     policy_before = rl.forward_no_grad(micros, fn)
     reference = AdaptersDisabled(rl).forward_no_grad(micros, fn)
@@ -117,7 +117,7 @@ def run_stage(stage: int) -> dict[str, Any]:
     report["generated"] = want
 
     before = full_parameters(rl.engine)
-    res = rl.train_mini_batch(micros, lambda m, mb: -token_logprobs(forward_logits(m, mb), mb["targets"], 1.0))
+    res = rl.train_mini_batch(micros, lambda m, mb: -forward_logprobs(m, mb).logprobs)
     after = full_parameters(rl.engine)
     report["step_applied"] = bool(res["step_applied"])
     report["base_unchanged"] = all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
