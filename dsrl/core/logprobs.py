@@ -1,7 +1,7 @@
 """Per-token log-probs and entropy of a causal LM in tiles, without full-vocabulary logits.
 
-One per-chunk computation behind every path, so that values agree bit for bit between them (the
-first step's importance ratios are exactly 1):
+One per-chunk computation behind every path, so that on the same input the no-grad pass (old and
+reference log-probs) and the autograd pass (the training step) agree bit for bit:
 
 - :func:`head_stats` fuses the output head in: from the hidden states of the selected positions
   ``[n, H]`` and the head's weight ``[V, H]`` (and bias) it makes the logits of at most one chunk of
@@ -24,6 +24,13 @@ d ENTROPY / d x_j = -p_j (log p_j + H) / T.
 Memory: a chunk's float32 working set (two ``[rows, V]`` buffers, forward and backward alike) stays
 within ``LOGIT_CHUNK_BYTES``; the chunking depends only on the shapes, so the no-grad and the autograd
 paths run the same operations on the same rows and give the same bits.
+
+Why here and not a library's (DeepSpeed 0.19.8, transformers 5.24, megatron-core 0.16): DeepSpeed's
+``TiledFusedLogitsLoss`` returns one scalar loss and runs its backward inside the forward (an RL loss needs
+per-token values whose upstream gradient comes later); ``deepspeed.sequence.linear_cross_entropy`` gives
+per-token cross entropy with autograd, vocabulary-parallel too, but no entropy from the same chunks and no
+temperature, reads a value back to the host on every call, and is DeepSpeed's (this package imports no
+DeepSpeed, and Megatron runs need the same function); transformers and megatron-core hold full logits.
 """
 
 from __future__ import annotations

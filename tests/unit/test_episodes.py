@@ -260,7 +260,7 @@ def test_the_kl_penalty_in_the_reward_sums_model_tokens_only():
         out = torch.full(micro["targets"].shape, -1.0)
         if model is ref_model:
             out = torch.where(micro["loss_mask"] > 0, torch.tensor(-1.5), torch.tensor(-9.0))
-        return out
+        return out[micro["logprob_mask"]]  # the passes' contract: the completion positions' values, [n]
 
     maker = object.__new__(ExperienceMaker)
     maker.d = types.SimpleNamespace(rollout=types.SimpleNamespace(logprob_micro_batch_size=4),
