@@ -237,13 +237,13 @@ def _vocab_parallel_worker(rank: int, port: int, out: dict) -> None:
 
 @pytest.fixture(scope="module")
 def vocab_parallel() -> dict:
-    """Every case on 2 spawned gloo ranks (one spawn: starting processes is the slow part)."""
+    """Every case on 2 forked gloo ranks (one start: starting processes is the slow part; forked, they need not
+    import torch again)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(_vocab_parallel_worker, args=(port, out), nprocs=2, join=True)
+    out = mp.get_context("fork").Manager().dict()
+    mp.start_processes(_vocab_parallel_worker, args=(port, out), nprocs=2, join=True, start_method="fork")
     return dict(out)
 
 
