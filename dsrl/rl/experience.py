@@ -295,7 +295,7 @@ class ExperienceMaker:
 
         def fn(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
             logits = forward_logits(model, micro)
-            return token_logprobs(logits, micro["targets"], temp).float().cpu()
+            return token_logprobs(logits, micro["targets"], temp).float()  # stays on the device
 
         return fn
 
@@ -305,23 +305,17 @@ class ExperienceMaker:
         groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
         micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
         fn = self._logprob_fn()
-        outs = self.policy.forward_no_grad(micros, fn)
-        for g, lp in zip(groups, outs):
-            for s, row, sl in zip(g, lp, completion_positions(g)):
-                s.old_logprobs = row[sl].tolist()
+        for s, values in zip(samples, completion_values(groups, self.policy.forward_no_grad(micros, fn))):
+            s.old_logprobs = values
         if self.critic is not None:
-            for g, values in zip(groups, self.critic.values(micros)):
-                for s, row, sl in zip(g, values, completion_positions(g)):
-                    s.values = row[sl].tolist()
+            for s, values in zip(samples, completion_values(groups, self.critic.values(micros))):
+                s.values = values
         if self.ref_model is None:
             return
         with torch.no_grad():
-            # A reference that runs through the policy's engine (LoRA: adapters disabled) pads its forwards itself.
-            refs = (self.ref_model.forward_no_grad(micros, fn) if hasattr(self.ref_model, "forward_no_grad")
-                    else [fn(self.ref_model, micro) for micro in micros])
-            for g, lp in zip(groups, refs):
-                for s, row, sl in zip(g, lp, completion_positions(g)):
-                    s.ref_logprobs = row[sl].tolist()
+            # The reference (a frozen copy, or the policy with its LoRA adapters disabled) pads its forwards itself.
+            for s, values in zip(samples, completion_values(groups, self.ref_model.forward_no_grad(micros, fn))):
+                s.ref_logprobs = values
         if self.d.algorithm.kl_in == "reward" and self.critic is None:  # with a critic: per token, in gae_advantages
             coef = self.d.algorithm.kl_coef
             for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)
@@ -416,6 +410,21 @@ class ExperienceMaker:
             stats.add_staleness(samples, trainer_version=rollout_index)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds
+
+
+def completion_values(groups: list[list[Sample]], outs: list[torch.Tensor]) -> list[list[float]]:
+    """Each sample's completion positions of a pass's ``[b, t]`` outputs (one per micro-batch ``groups[i]``), as
+    lists, in sample order, with one device-to-host copy for the whole pass (ARCHITECTURE §4: a no-grad pass
+    synchronizes the device at most once, at its end)."""
+    pieces = [row[sl] for g, out in zip(groups, outs) for row, sl in zip(out, completion_positions(g))]
+    if not pieces:
+        return []
+    flat = torch.cat(pieces).cpu().tolist()
+    values, at = [], 0
+    for piece in pieces:
+        values.append(flat[at:at + len(piece)])
+        at += len(piece)
+    return values
 
 
 def masked_rewards(samples: list[Sample]) -> torch.Tensor:
