@@ -51,7 +51,7 @@ def config(stage: int, timer_on: bool, out_dir: str) -> dict[str, Any]:
     return ds
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, default=1)
@@ -127,10 +127,10 @@ def main() -> None:
     trainer.backend.close()
     trainer.stop.uninstall()
     trainer.run_dir.release()
-    from dsrl.runtime.process_exit import leave
-
-    leave(0)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from dsrl.runtime.process_exit import leave
+
+    leave(main())
