@@ -31,6 +31,7 @@ from dsrl.config.names import (
     ALGORITHM_DEFAULTS,
     COLOCATED,
     CORRECTION_NONE,
+    CRITIC_ALGORITHMS,
     DISAGGREGATED,
     HF_BACKEND,
     VLLM_BACKEND,
@@ -39,7 +40,7 @@ from dsrl.config.names import (
 if TYPE_CHECKING:
     from dsrl.config.root import DsrlConfig
 
-__all__ = ["RULES", "AtLeast", "Is", "Rule", "Setup", "check", "refusals"]
+__all__ = ["RULES", "AtLeast", "Is", "OneOf", "Rule", "Setup", "check", "refusals"]
 
 
 def _feature(default: Any, setting: str) -> Any:
@@ -58,7 +59,9 @@ class Setup:
     multi_turn: bool = _feature(False, "data.environment")
     correction: str = _feature(CORRECTION_NONE, "algorithm.rollout_correction.mode")
     autotp_size: int = _feature(1, "tensor_parallel.autotp_size")
+    sequence_parallel_size: int = _feature(1, "sequence_parallel_size")  # Ulysses
     expert_parallel: bool = _feature(False, "expert_parallel")
+    algorithm: str = _feature("grpo", "algorithm.name")
     dynamic_sampling: bool = _feature(False, "algorithm.dynamic_sampling")  # resolved: dapo's default is on
 
     @classmethod
@@ -74,12 +77,13 @@ class Setup:
             dynamic = ALGORITHM_DEFAULTS[algorithm.name]["dynamic_sampling"]
         experts = ds_config.get("expert_parallel")
         return cls(placement=dsrl.rollout.placement, max_staleness=dsrl.max_staleness,
-                   zero_stage=_integer(ds_config, "zero_optimization", "stage", 0), backend=dsrl.rollout.backend,
+                   zero_stage=_integer(ds_config, "zero_optimization.stage", 0), backend=dsrl.rollout.backend,
                    lora=dsrl.model.lora is not None, multi_turn=dsrl.multi_turn,
                    correction=algorithm.rollout_correction.mode,
-                   autotp_size=max(_integer(ds_config, "tensor_parallel", "autotp_size", 1), 1),
+                   autotp_size=max(_integer(ds_config, "tensor_parallel.autotp_size", 1), 1),
+                   sequence_parallel_size=max(_integer(ds_config, "sequence_parallel_size", 1), 1),
                    expert_parallel=isinstance(experts, dict) and bool(experts.get("enabled", False)),
-                   dynamic_sampling=bool(dynamic))
+                   algorithm=algorithm.name, dynamic_sampling=bool(dynamic))
 
     def replace(self, **features: Any) -> Setup:
         return dataclasses.replace(self, **features)
@@ -90,9 +94,11 @@ class Setup:
         return {f.name: f.metadata["setting"] for f in dataclasses.fields(Setup)}[feature]
 
 
-def _integer(ds_config: dict[str, Any], section: str, key: str, default: int) -> int:
-    value = ds_config.get(section)
-    value = value.get(key, default) if isinstance(value, dict) else default
+def _integer(ds_config: dict[str, Any], dotted: str, default: int) -> int:
+    """The integer at a dotted path of the ds_config, else ``default`` (absent or malformed)."""
+    value: Any = ds_config
+    for key in dotted.split("."):
+        value = value.get(key, default) if isinstance(value, dict) else default
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
@@ -133,7 +139,25 @@ class AtLeast:
         return f"`{setting}` >= {self.bound}"
 
 
-Condition = Is | AtLeast
+@dataclass(frozen=True)
+class OneOf:
+    """The feature is one of ``values``."""
+
+    values: tuple[Any, ...]
+
+    def holds(self, value: Any) -> bool:
+        return value in self.values
+
+    def witness(self) -> Any:
+        return self.values[0]
+
+    def describe(self, setting: str) -> str:
+        if len(self.values) == 1:
+            return f"`{setting}` = {self.values[0]!r}"
+        return f"`{setting}` one of {', '.join(repr(v) for v in self.values)}"
+
+
+Condition = Is | AtLeast | OneOf
 
 
 @dataclass(frozen=True)
@@ -192,6 +216,14 @@ RULES: tuple[Rule, ...] = (
          "dsrl.model.lora with tensor_parallel.autotp_size = {autotp_size}: AutoTP replaces the linear layers the "
          "LoRA adapters wrap with its own sharded layers. Fix: set autotp_size to 1 and let ZeRO-3 shard the frozen "
          "base weights, or remove dsrl.model.lora."),
+    Rule("critic-autotp", {"algorithm": OneOf(CRITIC_ALGORITHMS), "autotp_size": _AUTOTP},
+         "dsrl.algorithm.name = {algorithm!r} with tensor_parallel.autotp_size = {autotp_size}: the critic does not "
+         "run under AutoTP yet. Fix: use a data-parallel layout (ZeRO 0-3, autotp_size 1), or a critic-free "
+         "algorithm."),
+    Rule("critic-sequence-parallel", {"algorithm": OneOf(CRITIC_ALGORITHMS), "sequence_parallel_size": AtLeast(2)},
+         "dsrl.algorithm.name = {algorithm!r} with sequence_parallel_size = {sequence_parallel_size}: the critic does "
+         "not run under Ulysses sequence parallelism yet. Fix: use a data-parallel layout (ZeRO 0-3, "
+         "sequence_parallel_size 1), or a critic-free algorithm."),
     Rule("autoep-lora", {"lora": Is(True), "expert_parallel": Is(True)},
          "dsrl.model.lora with an expert_parallel section: AutoEP replaces the expert layers the LoRA adapters would "
          "wrap. Fix: remove expert_parallel (ZeRO-3 shards the frozen experts), or remove dsrl.model.lora."),

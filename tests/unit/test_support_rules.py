@@ -40,7 +40,7 @@ def _base() -> dict:
 
 
 def _run_file(setup: Setup) -> dict:
-    """A run file with exactly these features (the matrix's patches, plus the two features no axis carries)."""
+    """A run file with exactly these features (the matrix's patches, plus the features no axis carries)."""
     features = dataclasses.asdict(setup)
     values = []
     for axis in CPU_MATRIX.axes + VLLM_MATRIX.axes:
@@ -52,6 +52,9 @@ def _run_file(setup: Setup) -> dict:
         raw["expert_parallel"] = {"enabled": True, "autoep_size": 2}
     if setup.dynamic_sampling:
         raw["dsrl"]["algorithm"]["dynamic_sampling"] = True
+    raw["dsrl"]["algorithm"]["name"] = setup.algorithm
+    if setup.sequence_parallel_size > 1:
+        raw["sequence_parallel_size"] = setup.sequence_parallel_size
     if setup.max_staleness:  # colocated with k > 0: no placement value of the matrix has it
         raw["dsrl"]["algorithm"]["max_staleness"] = setup.max_staleness
     return raw
