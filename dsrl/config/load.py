@@ -56,9 +56,9 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _supported_combination(self) -> Config:
-        """The combination of settings is one dsrl supports (placement and k, ZeRO stage, backend, LoRA, multi-turn,
-        AutoTP, AutoEP, dynamic sampling): a run file that breaks rules of docs/support.md gets every one's sentence,
-        with its fix, at once."""
+        """The combination of settings is one dsrl supports (placement, staleness, backend, LoRA, multi-turn, the
+        critic, AutoTP, AutoEP, Ulysses, dynamic sampling): a run file that breaks rules of docs/support.md gets the
+        sentence of every one, each with its fix, at once."""
         support.check(self.dsrl, self.ds_config)
         return self
 

