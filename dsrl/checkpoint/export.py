@@ -85,7 +85,13 @@ def consolidated_state_dict(engine_dir: str, scratch: str | None = None) -> dict
         parent, tag = os.path.split(os.path.abspath(engine_dir))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             state = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
-        return {k: v.float() for k, v in state.items()}
+        state = {k: v.float() for k, v in state.items()}
+        # Frozen parameters (LoRA's base) are recorded for the consolidation from ZeRO-2 on only; under ZeRO-1 the
+        # model-states file holds them whole (ZeRO-1/2 never partition the parameters; ZeRO-3's are empty there).
+        for f in glob.glob(os.path.join(engine_dir, "mp_rank_*_model_states.pt"))[:1]:
+            module = torch.load(f, map_location="cpu", weights_only=False)["module"]
+            state.update({k: v.float() for k, v in module.items() if k not in state and v.numel() > 0})
+        return state
     files = sorted(glob.glob(os.path.join(engine_dir, "mp_rank_*_model_states.pt")))
     if len(files) != 1:
         raise ConfigError(f"{engine_dir}: expected one mp_rank_*_model_states.pt (ZeRO-0), found {len(files)}.")
