@@ -17,7 +17,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM tier runs in
 
 
 def _base() -> dict:
-    return base_run_file("tiny_grpo_vllm_cpu.json")
+    """A vLLM engine takes far longer to start than a trainer: the first samples may come minutes after the start on a
+    loaded machine, so the collective bound (which also bounds the trainers' wait for a generator) is 10 minutes."""
+    raw = base_run_file("tiny_grpo_vllm_cpu.json")
+    raw["dsrl"]["run"]["collective_timeout_s"] = 600.0
+    return raw
 
 
 @pytest.mark.parametrize("cell", cell_params(VLLM_MATRIX, runs=True))
