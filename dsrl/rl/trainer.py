@@ -55,7 +55,7 @@ from dsrl.core.seeds import derived_seed
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.replica import RolloutIndex, my_micro_batches
 from dsrl.rl.disagg.remote import GenerationStopped
-from dsrl.rl.disagg.roles import Role, check_layout
+from dsrl.rl.disagg.roles import Role
 from dsrl.rl.experience import ExperienceMaker, Rewards
 from dsrl.rl.policy.model import forward_logits
 from dsrl.rl.rewards.contract import all_timed_out
@@ -106,7 +106,6 @@ class Trainer:
         # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
         # ds_config and the schedule made here are the ones the engine is built from.
         spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
-        check_layout(self.cfg)
         critic_spec = None
         if d.has_critic:
             from dsrl.rl.critic import prepare_critic
@@ -170,15 +169,10 @@ class Trainer:
                                      resume_at=(self.rollout_index, self.rl.optimizer_steps) if resumed else None)
 
     def _check_vllm(self, model: torch.nn.Module) -> None:
-        """The vllm backend can serve this policy on this layout (before any work)."""
-        from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+        """The vllm backend can serve this policy (before any work; vLLM with AutoTP is refused with the run file,
+        dsrl.config.support)."""
         from dsrl.rollout.vllm import check_servable
 
-        tp = tensor_parallel_size(self.cfg.ds_config)
-        if tp > 1:
-            raise ConfigError(f"rollout.backend = 'vllm' with tensor_parallel.autotp_size = {tp}: the vLLM engine "
-                              "takes whole weights, which AutoTP shards. Fix: use rollout.backend = 'hf' or 'cb' under "
-                              "AutoTP, or set autotp_size to 1 (ZeRO-3 shards the training state instead).")
         try:
             check_servable(model.config, on_cpu=not self.on_gpu)
         except ImportError as e:
