@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from dsrl.config.errors import ConfigError
 from dsrl.config.names import (
     ALGORITHM_DEFAULTS,
-    AUTO_BACKEND,
     CB_BACKEND,
     COLOCATED,
     CORRECTION_NONE,
@@ -214,11 +213,11 @@ RULES: tuple[Rule, ...] = (
          "rollout.backend = 'vllm' with tensor_parallel.autotp_size = {autotp_size}: the vLLM engine takes whole "
          "weights, which AutoTP shards. Fix: use rollout.backend = 'hf' or 'cb' under AutoTP, or set autotp_size to "
          "1 (ZeRO-3 shards the training state instead)."),
-    Rule("autotp-cb", {"backend": OneOf((CB_BACKEND, AUTO_BACKEND)), "autotp_size": _AUTOTP},
+    Rule("autotp-cb", {"backend": OneOf((CB_BACKEND,)), "autotp_size": _AUTOTP},
          "rollout.backend = {backend!r} with tensor_parallel.autotp_size = {autotp_size}: continuous batching sizes "
          "its paged KV cache from the model's config while AutoTP leaves each rank a share of the attention heads, "
-         "and it does not keep tensor peers in lockstep as hf does ('auto' may pick it). Fix: use rollout.backend = "
-         "'hf' under AutoTP, or set autotp_size to 1."),
+         "and it does not keep tensor peers in lockstep as hf does. Fix: use rollout.backend = 'hf' or 'auto' (which "
+         "picks hf under AutoTP), or set autotp_size to 1."),
     Rule("autotp-lora", {"lora": Is(True), "autotp_size": _AUTOTP},
          "dsrl.model.lora with tensor_parallel.autotp_size = {autotp_size}: AutoTP replaces the linear layers the "
          "LoRA adapters wrap with its own sharded layers. Fix: set autotp_size to 1 and let ZeRO-3 shard the frozen "
