@@ -30,8 +30,6 @@ from typing import Any
 import torch
 
 from dsrl.algos.losses import clipped_value_loss
-from dsrl.backends.deepspeed.autotp import tensor_parallel_size
-from dsrl.backends.deepspeed.config import sequence_parallel_size
 from dsrl.backends.deepspeed.engine import EngineSpec, initialize, prepare
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.config.names import TOKEN_MEAN
@@ -73,10 +71,7 @@ def critic_config(cfg: Config) -> Config:
 def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec:
     """The critic's :class:`EngineSpec`: its half of the run file validated as the policy's is (DeepSpeed's own
     classes, the schedule with the critic's horizon), once, before any model is built."""
-    ccfg = critic_config(cfg)
-    if tensor_parallel_size(ccfg.ds_config) > 1 or sequence_parallel_size(ccfg.ds_config) > 1:
-        raise ConfigError("dsrl.algorithm.name = 'ppo': the critic does not run under AutoTP or Ulysses sequence "
-                          "parallelism yet. Fix: use a data-parallel layout (ZeRO 0-3), or a critic-free algorithm.")
+    ccfg = critic_config(cfg)  # AutoTP and Ulysses are refused with the run file (dsrl.config.support)
     try:
         return prepare(ccfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
     except ConfigError as e:
@@ -138,9 +133,9 @@ class Critic:
         return cls(initialize(model, spec), spec.config.dsrl.critic.value_clip)
 
     def values(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """The rollout's values per micro-batch (``[b, t]`` on the CPU), before any update; every rank runs
+        """The rollout's values per micro-batch (``[b, t]``, on the device), before any update; every rank runs
         the same number of forwards."""
-        return self.rl.forward_no_grad(micro_batches, lambda model, micro: forward_values(model, micro).cpu())
+        return self.rl.forward_no_grad(micro_batches, forward_values)
 
     def loss_fn(self, model: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token clipped value loss and metrics (the new values, the returns, the clip indicator)."""

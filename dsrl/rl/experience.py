@@ -51,6 +51,7 @@ from dsrl.rl.episodes.driver import generate_trajectory_groups
 from dsrl.rl.episodes.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, model_mask
 from dsrl.rl.policy.logprobs import forward_logprobs
 from dsrl.rollout.base import RolloutBackend
+from dsrl.runtime.phases import PhaseClock
 
 
 class _NoWatch:
@@ -175,14 +176,16 @@ class ExperienceMaker:
     Collaborators, each used for what its name says: ``policy`` (the RLEngine: its parallel view, device
     and no-grad forwards for the old log-probs), ``backend`` (generation), ``prompts`` (the prompt stream
     and its encoding), ``rewards``, ``algo`` (the resolved algorithm), and optionally ``ref_model`` (KL
-    reference), ``critic`` (values) and ``watch`` (bounded phase ends)."""
+    reference), ``critic`` (values), ``watch`` (bounded phase ends) and ``phases`` (the
+    :class:`dsrl.runtime.phases.PhaseClock` that times generation, rewards and the no-grad passes)."""
 
     def __init__(self, cfg: DsrlConfig, plan: BatchPlan, policy: Any, backend: RolloutBackend, tokenizer: Any,
                  prompts: PromptSource, rewards: Rewards, algo: algos.ResolvedAlgorithm, *, ref_model: Any = None,
-                 critic: Any = None, watch: Any = None):
+                 critic: Any = None, watch: Any = None, phases: PhaseClock | None = None):
         self.d, self.plan, self.policy, self.backend = cfg, plan, policy, backend
         self.tokenizer, self.prompts, self.rewards, self.algo = tokenizer, prompts, rewards, algo
         self.ref_model, self.critic, self.watch = ref_model, critic, watch or _NO_WATCH
+        self.phases = phases or PhaseClock()
         self.view = policy.view
         self.replica = self.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
         self.pad_id = tokenizer.pad_token_id
@@ -204,10 +207,10 @@ class ExperienceMaker:
         if self.rewards.environment is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes.driver)
             return generate_trajectory_groups(self, indices, seed)
         records, prompt_ids = self.prompts.encode(indices)
-        with self.watch.phase("generation"):
+        with self.watch.phase("generation"), self.phases.phase("generate"):
             # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
             completions = self.backend.generate(prompt_ids, self.plan.samples_per_prompt, seed=seed)
-        with self.watch.phase("reward"):
+        with self.watch.phase("reward"), self.phases.phase("reward"):
             scores = None
             model = self.rewards.model
             if model is not None:  # on every rank: a sharded reward model's forwards are collective
@@ -290,36 +293,36 @@ class ExperienceMaker:
 
     # -- log-probs and advantages -----------------------------------------------------------------
     def _logprob_fn(self):
-        """``fn(model, micro)``: log pi(target) at the micro-batch's completion positions, ``[n]``, on the device
-        (the output head fused into a tiled log-softmax, :func:`dsrl.rl.policy.logprobs.forward_logprobs`)."""
+        """``fn(model, micro)``: log pi(target) ``[b, t]`` on the device, computed at the micro-batch's completion
+        positions only (zeros elsewhere): the output head fused into a tiled log-softmax,
+        :func:`dsrl.rl.policy.logprobs.forward_logprobs`."""
         temp = self.d.rollout.temperature
 
         def fn(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-            return forward_logprobs(model, micro, temperature=temp).selected_logprobs
+            return forward_logprobs(model, micro, temperature=temp).logprobs  # [b, t], stays on the device
 
         return fn
 
     def score_logprobs(self, samples: list[Sample]) -> None:
         """Old (and reference) log-probs of every local sample, once per rollout, before any update;
         with ``kl_in = "reward"`` the reward is penalised by the summed k1 KL here. Each pass's results stay on
-        the device until the pass ends, then leave it in one copy (:func:`per_sample`)."""
+        the device until the pass ends, then leave it in one copy (:func:`completion_values`)."""
         groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
         micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
         fn = self._logprob_fn()
-        for s, lp in zip(samples, per_sample(self.policy.forward_no_grad(micros, fn), samples)):
-            s.old_logprobs = lp
+        with self.phases.phase("old_logprobs"):
+            for s, values in zip(samples, completion_values(groups, self.policy.forward_no_grad(micros, fn))):
+                s.old_logprobs = values
         if self.critic is not None:
-            for g, values in zip(groups, self.critic.values(micros)):
-                for s, row, sl in zip(g, values, completion_positions(g)):
-                    s.values = row[sl].tolist()
+            with self.phases.phase("critic_values"):
+                for s, values in zip(samples, completion_values(groups, self.critic.values(micros))):
+                    s.values = values
         if self.ref_model is None:
             return
-        with torch.no_grad():
-            # A reference that runs through the policy's engine (LoRA: adapters disabled) pads its forwards itself.
-            refs = (self.ref_model.forward_no_grad(micros, fn) if hasattr(self.ref_model, "forward_no_grad")
-                    else [fn(self.ref_model, micro) for micro in micros])
-            for s, lp in zip(samples, per_sample(refs, samples)):
-                s.ref_logprobs = lp
+        with torch.no_grad(), self.phases.phase("ref_logprobs"):
+            # The reference (a frozen copy, or the policy with its LoRA adapters disabled) pads its forwards itself.
+            for s, values in zip(samples, completion_values(groups, self.ref_model.forward_no_grad(micros, fn))):
+                s.ref_logprobs = values
         if self.d.algorithm.kl_in == "reward" and self.critic is None:  # with a critic: per token, in gae_advantages
             coef = self.d.algorithm.kl_coef
             for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)
@@ -416,17 +419,19 @@ class ExperienceMaker:
         return samples, stats, rounds
 
 
-def per_sample(outs: list[torch.Tensor], samples: list[Sample]) -> list[list[float]]:
-    """One pass's log-probs per sample: ``outs`` are the micro-batches' completion-position values ``[n]`` (in
-    sample order, one per completion token), copied to the host in one piece and cut by completion length."""
-    flat = torch.cat(outs).tolist() if outs else []
-    cut, start = [], 0
-    for s in samples:
-        cut.append(flat[start:start + s.completion_len])
-        start += s.completion_len
-    if start != len(flat):
-        raise RuntimeError(f"the log-prob pass returned {len(flat)} values for {start} completion tokens")
-    return cut
+def completion_values(groups: list[list[Sample]], outs: list[torch.Tensor]) -> list[list[float]]:
+    """Each sample's completion positions of a pass's ``[b, t]`` outputs (one per micro-batch ``groups[i]``), as
+    lists, in sample order, with one device-to-host copy for the whole pass (ARCHITECTURE §4: a no-grad pass
+    synchronizes the device at most once, at its end)."""
+    pieces = [row[sl] for g, out in zip(groups, outs) for row, sl in zip(out, completion_positions(g))]
+    if not pieces:
+        return []
+    flat = torch.cat(pieces).cpu().tolist()
+    values, at = [], 0
+    for piece in pieces:
+        values.append(flat[at:at + len(piece)])
+        at += len(piece)
+    return values
 
 
 def masked_rewards(samples: list[Sample]) -> torch.Tensor:

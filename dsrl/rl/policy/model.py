@@ -117,14 +117,3 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     ref.eval()
     ref.requires_grad_(False)
     return ref
-
-
-def forward_logits(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The causal LM's logits for a collated micro-batch (padded or packed).
-
-    Packed rows have no attention_mask: transformers derives the block-diagonal mask from
-    ``position_ids``, which it only does without a KV cache (``use_cache=False``).
-    """
-    out = model(input_ids=micro["input_ids"], attention_mask=micro.get("attention_mask"),
-                position_ids=micro["position_ids"], use_cache=False)
-    return out.logits
