@@ -9,7 +9,7 @@ from pydantic import model_validator
 from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, SftConfig
 from dsrl.config.batch import BatchConfig
 from dsrl.config.data import DataConfig
-from dsrl.config.errors import ConfigError
+from dsrl.config.errors import ConfigError, problems_error
 from dsrl.config.model import ModelConfig
 from dsrl.config.names import (
     ALGORITHM_DEFAULTS,
@@ -21,7 +21,7 @@ from dsrl.config.names import (
 )
 from dsrl.config.rollout import RolloutConfig
 from dsrl.config.run import RunConfig, SchedulerConfig
-from dsrl.config.section import Section, setting
+from dsrl.config.section import Section, collected, report_collected, setting, start_collecting
 
 
 class DsrlConfig(Section):
@@ -43,11 +43,13 @@ class DsrlConfig(Section):
     @classmethod
     def _null_sections(cls, data: Any) -> Any:
         """A section given as null takes its defaults."""
+        start_collecting()
         if isinstance(data, dict):
             data = {k: ({} if v is None and k in cls.model_fields else v) for k, v in data.items()}
         return data
 
     @model_validator(mode="after")
+    @collected
     def _groups_can_differ(self) -> DsrlConfig:
         """A group-relative algorithm (grpo, dr_grpo, rloo, dapo) needs `batch.samples_per_prompt` >= 2: a group
         of one sample always has advantage 0, so the policy would never get a gradient."""
@@ -62,6 +64,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _critic_only_with_a_critic_algorithm(self) -> DsrlConfig:
         """A `critic` key is set only with an algorithm that trains a critic (ppo)."""
         if self.critic.model_fields_set and self.algorithm.name not in CRITIC_ALGORITHMS:
@@ -73,6 +76,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _overlong_buffer_fits(self) -> DsrlConfig:
         """`algorithm.overlong_buffer` is shorter than the completion bound: `rollout.max_new_tokens`, with
         `data.environment` `rollout.max_trajectory_tokens`."""
@@ -86,6 +90,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _turn_bounds_need_an_environment(self) -> DsrlConfig:
         """`rollout.max_turns` and `rollout.max_trajectory_tokens` keep their defaults unless `data.environment` is
         set (without one every sample is a single completion and they would do nothing)."""
@@ -99,6 +104,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _environment_timeout_below_collective_bound(self) -> DsrlConfig:
         """`data.environment_timeout_s`, when set with an environment, is smaller than `run.collective_timeout_s`:
         a stuck environment call must give up before the other ranks stop waiting for it."""
@@ -111,6 +117,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _token_budget_fits_a_sequence(self) -> DsrlConfig:
         """In token-budget mode `batch.max_tokens_per_micro_batch` holds the longest possible sequence
         (`data.max_prompt_tokens` + `rollout.max_new_tokens`, with `data.environment` + `rollout.max_trajectory_tokens`
@@ -127,6 +134,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _reward_timeout_below_collective_bound(self) -> DsrlConfig:
         """`data.reward_timeout_s`, when set and a reward function is called (`data.reward_fn`, or a task's reward
         without `data.environment`), is smaller than `run.collective_timeout_s`: a reward call must give up before
@@ -142,28 +150,52 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
+    def _generators_with_disaggregation(self) -> DsrlConfig:
+        """`rollout.generator_ranks` is at least 1 with `rollout.placement` "disaggregated" and 0 with
+        "colocated"."""
+        r = self.rollout
+        if r.placement == DISAGGREGATED and r.generator_ranks < 1:
+            raise ConfigError("dsrl.rollout.placement = 'disaggregated' needs dsrl.rollout.generator_ranks >= 1 (the "
+                              "ranks that only generate). Fix: set generator_ranks, e.g. 1.")
+        if r.placement == COLOCATED and r.generator_ranks:
+            raise ConfigError(f"dsrl.rollout.generator_ranks = {r.generator_ranks} with placement 'colocated', where "
+                              "every rank generates. Fix: set dsrl.rollout.placement to 'disaggregated', or "
+                              "generator_ranks to 0.")
+        return self
+
+    @model_validator(mode="after")
+    @collected
     def _asynchronous_generation_fits(self) -> DsrlConfig:
         """With `rollout.placement` "colocated", `algorithm.max_staleness` is unset or 0 (generation always uses
         the current weights); with "disaggregated", `algorithm.dynamic_sampling` is off (a refill round would
         make the trainer wait for generation it cannot overlap: dapo turns it on by default) and `data.environment`
         is unset (multi-turn generation runs where the environment runs)."""
         r, a = self.rollout, self.algorithm
+        problems = []
         if r.placement == COLOCATED and a.max_staleness:
-            raise ConfigError(f"dsrl.algorithm.max_staleness = {a.max_staleness} with rollout.placement 'colocated', "
-                              "where every rollout is generated with the current weights. Fix: set "
-                              "dsrl.rollout.placement to 'disaggregated' (with rollout.generator_ranks), or "
-                              "max_staleness to 0.")
+            problems.append(f"dsrl.algorithm.max_staleness = {a.max_staleness} with rollout.placement 'colocated', "
+                            "where every rollout is generated with the current weights. Fix: set "
+                            "dsrl.rollout.placement to 'disaggregated' (with rollout.generator_ranks), or "
+                            "max_staleness to 0.")
         if r.placement == DISAGGREGATED and self.data.environment:
-            raise ConfigError("dsrl.data.environment (multi-turn rollouts) with rollout.placement 'disaggregated': the "
-                              "generator ranks produce single completions; turn-by-turn generation runs where the "
-                              "environment runs. Fix: use placement 'colocated' for multi-turn runs.")
+            problems.append("dsrl.data.environment (multi-turn rollouts) with rollout.placement 'disaggregated': the "
+                            "generator ranks produce single completions; turn-by-turn generation runs where the "
+                            "environment runs. Fix: use placement 'colocated' for multi-turn runs.")
         dynamic = ALGORITHM_DEFAULTS[a.name]["dynamic_sampling"] if a.dynamic_sampling is None else a.dynamic_sampling
         if r.placement == DISAGGREGATED and dynamic:
-            raise ConfigError("dsrl.algorithm.dynamic_sampling is on (dapo's default) with rollout.placement "
-                              "'disaggregated': refilling zero-variance groups needs generation rounds inside a "
-                              "rollout, which generator ranks running ahead do not provide. Fix: set "
-                              "dsrl.algorithm.dynamic_sampling to false, or use placement 'colocated'.")
+            problems.append("dsrl.algorithm.dynamic_sampling is on (dapo's default) with rollout.placement "
+                            "'disaggregated': refilling zero-variance groups needs generation rounds inside a "
+                            "rollout, which generator ranks running ahead do not provide. Fix: set "
+                            "dsrl.algorithm.dynamic_sampling to false, or use placement 'colocated'.")
+        if problems:
+            raise problems_error(problems)
         return self
+
+    @model_validator(mode="after")
+    def _report(self) -> DsrlConfig:
+        # not a rule: raises the problems every rule above found, together (dsrl.config.section.collected)
+        return report_collected(self)
 
     @property
     def max_staleness(self) -> int:

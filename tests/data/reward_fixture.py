@@ -11,6 +11,12 @@ def exact_batched(prompts: list[str], completions: list[str], answers: list[str]
     return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answers)]
 
 
+def slow_exact_batched(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """``exact_batched`` that takes 1 s per call: keeps the trainers busy (tests/distributed/test_async.py)."""
+    time.sleep(1.0)
+    return exact_batched(prompts, completions, answers)
+
+
 def length_per_sample(prompt: str, completion: str, answer: str) -> float:
     """Per-sample (recognised by its parameter names): shorter completions score higher."""
     return 1.0 / (1.0 + len(completion))
