@@ -5,8 +5,11 @@ Also runs as ``python launch/train.py ...`` (one rank). ``--resume auto|never|DI
 ``--overwrite`` is ``--dsrl.run.overwrite true``. Any key of the ``"dsrl"`` section can be overridden
 with a dotted flag, e.g. ``--dsrl.batch.samples_per_prompt 8 --dsrl.run.output_dir runs/try2``.
 
-Exit status: 0 done (or stopped by run.stop_after_rollouts), 2 configuration error, 1 run error (a
-sentence naming what failed), 128 + signal number when stopped on request (docs/reliability.md).
+Exit status of each rank: 0 done (or stopped by run.stop_after_rollouts), 2 configuration error (every rank's
+problems agreed before any work, printed once by rank 0), 1 run error (a sentence naming what failed; a rank
+whose process ended is named by role, rank and host), 128 + signal number when stopped on request. The
+``deepspeed`` launcher exits with the first nonzero status it sees among its ranks: dsrl's own when dsrl ended the
+run, 256 - N when a rank was killed by signal N (247 for SIGKILL) (docs/reliability.md, "Exit status").
 """
 
 from __future__ import annotations
