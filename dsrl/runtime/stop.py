@@ -147,7 +147,7 @@ class StopControl:
             return
         self.requested_at, self.reason, self.signum = time.monotonic(), reason, signum
         speaks = collectives.rank() == 0
-        if self.peers is not None and signum and not self.ending:
+        if self.peers is not None and signum and self.training and not self.ending:
             try:
                 self.ended = self.peers.obituary()
                 speaks = speaks or (self.ended is not None and self.peers.speaks_for_host())

@@ -98,6 +98,15 @@ def _after_rollout(job: subprocess.Popen, out: Path, rollout: int, timeout: floa
     raise AssertionError(f"no rollout {rollout} within {timeout} s")
 
 
+def _committed(job: subprocess.Popen, out: Path, timeout: float = 300) -> None:
+    """Wait until the run has a committed checkpoint (``checkpoints/latest``)."""
+    deadline = time.monotonic() + timeout
+    while not (out / "checkpoints" / "latest").exists():
+        if job.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"no committed checkpoint:\n{job.stdout.read()[-3000:] if job.poll() else ''}")
+        time.sleep(0.1)
+
+
 def _finish(job: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     try:
         out, _ = job.communicate(timeout=timeout)
@@ -166,6 +175,7 @@ def test_k1_runs_stale_and_resumes_after_a_killed_trainer_without_gap_or_repeat(
     run_file = _run_file(tmp_path, True, k=1, mode="tis", level="token", cap=2.0)
     job = _start(["--ds_config", str(run_file), *ARGS, "--dsrl.run.output_dir", str(cut)], nprocs=3)
     _after_rollout(job, cut, 2)  # a tiny rollout takes well under a second on a fast machine: kill early
+    _committed(job, cut)  # (rollout 2's periodic checkpoint: a kill during its save leaves none to resume from)
     before = _rows(cut, "rollout")
     assert [r["staleness_max"] for r in before[:2]] == [0, 1]  # rollout r is generated from version r - 1
     assert before[1]["rollout_logprob_abs_diff"] > 1e-4  # stale weights: a measured mismatch
@@ -237,8 +247,8 @@ def test_configuration_errors_of_both_sides_are_printed_once_before_any_work(tmp
     out = tmp_path / "out"
     raw = json.loads(json.dumps(BASE))
     raw["dsrl"]["rollout"].update(placement="disaggregated", generator_ranks=1, backend="vllm")
-    proc = launch(["launch/train.py", "--ds_config", str(write_json(tmp_path / "run.json", raw)), *ARGS,
-                   "--dsrl.run.output_dir", str(out)], nprocs=3, timeout=300, check=False)
+    proc = launch(["launch/train.py", "--ds_config", str(write_json(tmp_path / "run.json", raw)), *SHORT,
+                   "--dsrl.sft.steps", "0", "--dsrl.run.output_dir", str(out)], nprocs=3, timeout=300, check=False)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-3000:]
     assert text.count("dsrl: configuration error:") == 1, text[-3000:]

@@ -109,14 +109,17 @@ class _Peers:
 
 def test_a_stop_that_finds_an_ended_rank_is_a_run_error():
     stop = StopControl(25.0)
+    stop.training = True
     stop.peers = _Peers("generator 0 (rank 2 on host a) has ended (its process is gone)")
     stop.request("SIGTERM received", signal.SIGTERM)
     assert stop.ended.startswith("generator 0") and stop.peer_ended and stop.exit_code == 1
     plain = StopControl(25.0)
+    plain.training = True
     plain.peers = _Peers(None)
     plain.request("SIGTERM received", signal.SIGTERM)
     assert plain.ended is None and plain.exit_code == 143
     ending = StopControl(25.0)  # the run ends on an agreed error: ranks that exit now have not died
+    ending.training = True
     ending.peers, ending.ending = _Peers("trainer 1 (rank 1 on host a) has ended (its process is gone)"), True
     ending.request("SIGTERM received", signal.SIGTERM)
     assert ending.ended is None and ending.exit_code == 143

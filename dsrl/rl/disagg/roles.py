@@ -57,7 +57,9 @@ class Role:
     bridge: Any  # gloo group of all W ranks (point to point)
     sync: Any  # gloo group of trainer 0 and the generators (broadcast from trainer 0); None elsewhere
     peers: Peers | None = None  # every rank's host and process: who ended (dsrl.runtime.peers)
-    started: bool = False  # trainer 0 sent the start message (dsrl.rl.disagg.remote.RemoteRolloutBackend.begin)
+    # the generators know how the run starts: trainer 0 sent the start message
+    # (dsrl.rl.disagg.remote.RemoteRolloutBackend.begin), or every rank ends on an agreed start-up error
+    started: bool = False
 
     @property
     def generators(self) -> int:
@@ -96,6 +98,7 @@ class Role:
                            "(its message, or the launcher's, says why)") from e
         err = collectives.shared_error([None if o is None else tuple(o) for o in map(json.loads, gathered)])
         if err is not None:
+            self.started = True  # every rank ends on this error: there is nothing to abandon
             raise err
 
     def abandon(self, status: int) -> None:
