@@ -69,9 +69,9 @@ def _rows(out: Path, event: str) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.endswith(TIMED)} for r in rows if r["event"] == event]
 
 
-def _start(args: list[str], nprocs: int) -> subprocess.Popen:
+def _start(args: list[str], nprocs: int, env: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p), **(env or {})}
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port",
            str(free_port()), "launch/train.py", *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -199,12 +199,15 @@ def test_k1_runs_stale_and_resumes_after_a_killed_trainer_without_gap_or_repeat(
 def test_a_generator_killed_while_the_trainers_are_busy_is_named(tmp_path):
     """The trainers score with a reward function that takes 1 s per call: the launcher's SIGTERM (sent as soon as
     the generator died) reaches them while they work, before they wait for the generator's next samples."""
-    out = tmp_path / "out"
+    out, mark = tmp_path / "out", tmp_path / "reward_calls"
     job = _start(["--ds_config", str(_run_file(tmp_path, True, k=1, **TIS)), *ARGS, "--dsrl.run.output_dir", str(out),
                   "--dsrl.data.reward_fn", "tests/data/reward_fixture.py:slow_exact_batched", "--dsrl.run.rollouts",
-                  "40"], nprocs=3)
+                  "40"], nprocs=3, env={"DSRL_TEST_REWARD_MARK": str(mark)})
     _after_rollout(job, out, 2)
-    _rank_process(job, 2).kill()
+    deadline = time.monotonic() + 300  # a trainer has started scoring rollout 3 (2 trainers x 2 rollouts before)
+    while not (mark.exists() and len(mark.read_text().splitlines()) > 4) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _rank_process(job, 2).kill()  # the generator waits for version 3 (k = 1): it is killed while nobody talks to it
     code, text = _finish(job)
     assert code != 0, text[-3000:]
     assert "dsrl: error: generator 0 (rank 2 on host" in text and "has ended (its process is gone)" in text, \
