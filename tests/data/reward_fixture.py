@@ -12,13 +12,13 @@ def exact_batched(prompts: list[str], completions: list[str], answers: list[str]
 
 
 def slow_exact_batched(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
-    """``exact_batched`` that takes 1 s per call: keeps the trainers busy (tests/distributed/test_async.py); each call
+    """``exact_batched`` that takes 3 s per call: keeps the trainers busy (tests/distributed/test_async.py); each call
     first appends a line to the file named by ``DSRL_TEST_REWARD_MARK`` when set."""
     mark = os.environ.get("DSRL_TEST_REWARD_MARK")
     if mark:
         with open(mark, "a") as f:
             f.write("called\n")
-    time.sleep(1.0)
+    time.sleep(3.0)
     return exact_batched(prompts, completions, answers)
 
 

@@ -197,7 +197,7 @@ def test_k1_runs_stale_and_resumes_after_a_killed_trainer_without_gap_or_repeat(
 
 
 def test_a_generator_killed_while_the_trainers_are_busy_is_named(tmp_path):
-    """The trainers score with a reward function that takes 1 s per call: the launcher's SIGTERM (sent as soon as
+    """The trainers score with a reward function that takes 3 s per call: the launcher's SIGTERM (sent as soon as
     the generator died) reaches them while they work, before they wait for the generator's next samples."""
     out, mark = tmp_path / "out", tmp_path / "reward_calls"
     job = _start(["--ds_config", str(_run_file(tmp_path, True, k=1, **TIS)), *ARGS, "--dsrl.run.output_dir", str(out),
