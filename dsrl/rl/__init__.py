@@ -3,7 +3,8 @@
 Owns, at this level: the loop (:mod:`.trainer`), one rollout's experience (:mod:`.experience`), the critic
 (:mod:`.critic`) and the supervised warm-up (:mod:`.sft`). Rooms, each a package of its own:
 
-- :mod:`.policy` -- the policy model (a checkpoint or the tiny built-in one), its LoRA adapters, its tokenizer;
+- :mod:`.policy` -- the policy model (a checkpoint or the tiny built-in one), its LoRA adapters, its tokenizer, and
+  the one builder of the rollout side (tokenizer, model, backend) that every placement uses;
 - :mod:`.data` -- prompts and their sampler, samples and their collation into micro-batches, the rollout data
   path between ranks and the compact sample codec;
 - :mod:`.rewards` -- the reward-function contract, loading the run's reward and accuracy functions, the learned

@@ -401,7 +401,7 @@ class ExperienceMaker:
         self.backend.sync_weights()
         self.version = rollout_index
         samples, stats, rounds = self.collect(rollout_index)
-        timing = getattr(self.backend, "take_timing", dict)()
+        timing = self.backend.take_timing()
         stats.wait_s, stats.publish_s = timing.get("wait_s", 0.0), timing.get("publish_s", 0.0)
         stats.generator_s, stats.generator_idle_s = timing.get("generation_s", 0.0), timing.get("idle_s", 0.0)
         self.score_logprobs(samples)

@@ -224,7 +224,6 @@ def test_gae_skips_observation_tokens():
 def test_experience_gae_and_kl_penalty_use_model_tokens_only():
     from dsrl.core.parallel import ParallelView
     from dsrl.rl.experience import ExperienceMaker
-    from dsrl.runtime.phases import PhaseClock
 
     t = Trajectory(0, [1, 5])
     t.add_model_turn([7, 8], [-1.0, -1.0])
