@@ -56,6 +56,7 @@ from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.replica import RolloutIndex, my_micro_batches
 from dsrl.rl.disagg.remote import GenerationStopped
 from dsrl.rl.disagg.roles import Role, check_layout
+from dsrl.rl.empty_rollouts import EmptyRollouts, RolloutOutcome
 from dsrl.rl.experience import ExperienceMaker, Rewards
 from dsrl.rl.policy.model import forward_logits
 from dsrl.rl.rewards.contract import all_timed_out
@@ -158,6 +159,7 @@ class Trainer:
         self.ckpt_dir = os.path.join(self.output_dir, CHECKPOINT_SUBDIR)
         self.rollout_index = 0
         self.calls = 0  # mini-batches trained (applied or skipped)
+        self.empty = EmptyRollouts(d.run.max_empty_rollouts)  # rollouts in a row that trained on nothing
         # phase ends bounded, missing ranks named, waits reported (runtime.watchdog)
         self.watch = Watch(d.run.collective_timeout_s, d.run.wait_report_s)
         self.experience = ExperienceMaker(
@@ -205,6 +207,7 @@ class Trainer:
             log.warning(resumed.notice)
         self.rollout_index = int(client["rollout"])
         self.calls = int(client["calls"])
+        self.empty.load_state_dict(client.get("empty_rollouts"))
         self.sampler.load_state_dict(client["sampler"])
         if rank_state is not None:
             torch.set_rng_state(rank_state["torch_rng"])
@@ -217,7 +220,7 @@ class Trainer:
     def _stream_state(self) -> dict[str, Any]:
         """What continues the run exactly besides the engines: the prompt stream, the call counter, the RNGs."""
         return {"calls": self.calls, "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate()}
+                "python_rng": random.getstate(), "empty_rollouts": self.empty.state_dict()}
 
     def save(self, stream: dict[str, Any] | None = None) -> None:
         """Commit checkpoint ``rollout{rollout_index}``; ``stream`` (from :meth:`_stream_state`) is the state at the
@@ -225,6 +228,7 @@ class Trainer:
         stream = stream or self._stream_state()
         tag = f"rollout{self.rollout_index}"
         client = {"rollout": self.rollout_index, "calls": stream["calls"], "sampler": stream["sampler"],
+                  "empty_rollouts": stream["empty_rollouts"],
                   "version": self.rollout_index}  # the policy version the saved weights are (weight syncs so far)
         rank_state = {"torch_rng": stream["torch_rng"], "python_rng": stream["python_rng"]}
         t0 = time.perf_counter()
@@ -320,6 +324,13 @@ class Trainer:
         if self.stop.decide(self.plan.optimizer_steps_per_rollout - (self.calls - self._rollout_calls)) == "stop":
             raise StopRun
 
+    def _ends_run(self, start: int) -> bool:
+        """Whether the rollout just finished is the last of this invocation by the plan or run.stop_after_rollouts
+        (a stop request aside)."""
+        r = self.d.run
+        return self.rollout_index == self.plan.rollouts or (
+            r.stop_after_rollouts is not None and self.rollout_index - start >= r.stop_after_rollouts)
+
     def _should_save(self, start: int) -> tuple[bool, bool]:
         """(save now, stop this invocation) after the rollout just finished."""
         r = self.d.run
@@ -404,7 +415,8 @@ class Trainer:
                 return summary
             stats.train_s = time.perf_counter() - t0
             self.rollout_index += 1
-            summary = rollout_record(stats.summed(self.device), results, world=self.world,
+            totals = stats.summed(self.device)
+            summary = rollout_record(totals, results, world=self.world,
                                      rollout=self.rollout_index, optimizer_step=self.rl.optimizer_steps,
                                      rollout_size=plan.rollout_size,
                                      prompt_epochs=self.prompt_source.drawn / len(self.prompts), sampling_rounds=rounds,
@@ -419,6 +431,10 @@ class Trainer:
             if self.rank == 0 and (self.rollout_index % self.d.run.log_every == 0
                                    or self.rollout_index == plan.rollouts):
                 log.info(self.metrics.rollout_line(summary, plan.rollouts))
+            # A rollout that trained on nothing is warned about; too many in a row, or a whole run of them, end the
+            # run here, before its checkpoint (dsrl.rl.empty_rollouts). Global counts: every rank decides alike.
+            self.empty.observe(self.rollout_index, RolloutOutcome.of(totals, results + self.critic_results),
+                               last=self._ends_run(start), rank=self.rank)
             save, stop = self._should_save(start)
             if save:
                 self.save()
