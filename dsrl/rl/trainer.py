@@ -40,6 +40,7 @@ from dsrl import algos
 from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
 from dsrl.backends.deepspeed.engine import RLEngine, ensure_distributed, initialize, on_gpu, prepare
 from dsrl.backends.deepspeed.frozen import frozen_engine
+from dsrl.checkpoint import adapters
 from dsrl.checkpoint.commit import latest_complete_tag
 from dsrl.checkpoint.engines import load_engines, save_engines
 from dsrl.checkpoint.export import export_checkpoint, write_hf_meta
@@ -115,6 +116,13 @@ class Trainer:
             critic_spec = prepare_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
         # The output directory: lock, refusals, the verified checkpoint to continue from (dsrl.checkpoint.run_dir).
         self.run_dir = open_run_dir(d.run, checksums=d.run.checkpoint_checksums)
+        if self.run_dir.resume is not None:  # the checkpoint's adapters are this run's (before the model is built)
+            point = self.run_dir.resume
+            try:
+                adapters.check_resume(point.path, point.lora, d.model.lora)
+            except ConfigError as e:
+                e.agreed = True  # every rank read the same record (broadcast by open_run_dir)
+                raise
         model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
                             seed=d.run.seed)
@@ -236,7 +244,7 @@ class Trainer:
             save_engines(self.rl, self.ckpt_dir, tag, client_state=client, rank_state=rank_state,
                                     keep_last=self.d.run.keep_last, checksums=self.d.run.checkpoint_checksums,
                                     before_commit=lambda path: write_hf_meta(path, self.rl.module, self.tokenizer),
-                                    companions=self._companions())
+                                    companions=self._companions(), model=adapters.record(self.d.model.lora))
         self.stop.save_s = time.perf_counter() - t0
 
     def _companions(self) -> dict[str, RLEngine]:
