@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import time
 
+import torch.distributed
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.config import ConfigError, parse_override_args
 from dsrl.core.errors import CollectiveTimeout, RunError
@@ -59,15 +62,22 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, resume=args.resume, role=role)
         trainer.run()
     except ConfigError as e:
-        if not (quiet and getattr(e, "agreed", False)):
-            print(f"dsrl: configuration error: {e}", file=sys.stderr)
+        if not _prints_config_error(e, quiet, role):
+            _wait_for_the_printer()
+            if e.agreed:
+                return 2
+        print(f"dsrl: configuration error: {e}", file=sys.stderr)
         return 2
     except RunError as e:
-        if not (quiet and e.agreed):
-            print(f"dsrl: error: {e}", file=sys.stderr)
         if isinstance(e, CollectiveTimeout) or role is not None:
+            if not (quiet and e.agreed):
+                print(f"dsrl: error: {e}", file=sys.stderr)
             # A peer is stuck or gone (a generator, a trainer): tearing the groups down would wait for it. Leave now.
             _leave(1)
+        if quiet and e.agreed:
+            _wait_for_the_printer()
+            return 1
+        print(f"dsrl: error: {e}", file=sys.stderr)
         return 1
     except (InterruptedStartup, KeyboardInterrupt) as e:
         print(f"dsrl: interrupted ({e or 'SIGINT'})", file=sys.stderr)
@@ -75,6 +85,27 @@ def main(argv: list[str] | None = None) -> int:
     if role is not None:  # a disaggregated job: receives still posted to gone peers must not block the exit
         _leave(trainer.stop.exit_code)
     return trainer.stop.exit_code
+
+
+def _prints_config_error(e: ConfigError, quiet: bool, role: object) -> bool:
+    """Whether this rank prints the configuration error ``e``, so that one rank does: rank 0 when every rank raised
+    it (``e.agreed``); before any process group exists (the run file and its overrides, read alike by the ranks of
+    a node), the first rank of each node; otherwise the rank that raised it."""
+    if e.agreed:
+        return not quiet
+    if role is None and not torch.distributed.is_initialized():
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+    return True
+
+
+def _wait_for_the_printer(bound_s: float = 30.0) -> None:
+    """A rank that leaves an error to the rank printing it waits for that rank to end the job: the launcher
+    (deepspeed's, torchrun) ends every rank once one exits with an error, and would otherwise kill the printing
+    rank if this one exited first. SIGTERM/SIGINT end the wait silently; past ``bound_s`` this rank goes on to exit
+    (printing an error that was not agreed itself: the printing rank may not have met it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    time.sleep(bound_s)
 
 
 def _leave(code: int) -> None:

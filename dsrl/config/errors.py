@@ -19,7 +19,13 @@ from pydantic.fields import FieldInfo
 
 
 class ConfigError(ValueError):
-    """A configuration problem, reported before any work starts. The message names field and fix."""
+    """A configuration problem, reported before any work starts. The message names field and fix.
+
+    ``agreed`` is True when every rank raised the same error (``launch/train.py`` then prints it from rank 0
+    only): set by :func:`dsrl.core.collectives.on_rank0` and :func:`dsrl.core.collectives.agreed_config_errors`.
+    """
+
+    agreed: bool = False
 
 
 _RANGE_OPS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}

@@ -124,6 +124,28 @@ def on_rank0(fn: Callable[[], T]) -> T:
     raise err
 
 
+@contextlib.contextmanager
+def agreed_config_errors() -> Iterator[None]:
+    """Every rank runs the block (which enters no collective); a ConfigError raised in it on any rank is raised on
+    every rank at its end, the same one and ``agreed``, so one rank prints it (``launch/train.py``). One all-gather
+    at the end of the block, reached by every rank whether its block failed or not."""
+    error: str | None = None
+    try:
+        yield
+    except ConfigError as e:
+        error = str(e)
+    errors = all_gather(error)
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    text = errors[failed[0]]
+    if len(failed) < len(errors):  # the others read something else (another node's file system)
+        text = f"on rank {failed[0]}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "") + f": {text}"
+    err = ConfigError(text)
+    err.agreed = True
+    raise err from None
+
+
 def all_reduce_floats(values: list[float], op: Any = None, device: Any = "cpu") -> list[float]:
     """Sum (or ``op``) a short list of floats over all ranks of the default group (in float64, on ``device``);
     a no-op on one process."""

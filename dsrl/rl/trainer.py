@@ -99,21 +99,23 @@ class Trainer:
         torch.manual_seed(d.run.seed)  # identical initial weights on every rank
         random.seed(derived_seed(d.run.seed, self.rank))
 
-        self.tokenizer = load_tokenizer(d.model)
-        self.prompts = load_prompts(d.data, seed=d.run.seed)
-        reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
-        environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes.driver), or None
-        tok = self.tokenizer
-        _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
-        # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
-        # ds_config and the schedule made here are the ones the engine is built from.
-        spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
-        check_layout(self.cfg)
-        critic_spec = None
-        if d.has_critic:
-            from dsrl.rl.critic import prepare_critic
+        # Checks every rank makes alike: a ConfigError is raised on every rank and printed by one (collectives).
+        with collectives.agreed_config_errors():
+            self.tokenizer = load_tokenizer(d.model)
+            self.prompts = load_prompts(d.data, seed=d.run.seed)
+            reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
+            environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes.driver), or None
+            _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
+            # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan,
+            # the ds_config and the schedule made here are the ones the engine is built from.
+            spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
+            check_layout(self.cfg)
+            critic_spec = None
+            if d.has_critic:
+                from dsrl.rl.critic import prepare_critic
 
-            critic_spec = prepare_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
+                critic_spec = prepare_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
+        tok = self.tokenizer
         # The output directory: lock, refusals, the verified checkpoint to continue from (dsrl.checkpoint.run_dir).
         self.run_dir = open_run_dir(d.run, checksums=d.run.checkpoint_checksums)
         if self.run_dir.resume is not None:  # the checkpoint's adapters are this run's (before the model is built)
@@ -123,12 +125,13 @@ class Trainer:
             except ConfigError as e:
                 e.agreed = True  # every rank read the same record (broadcast by open_run_dir)
                 raise
-        model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
-                            seed=d.run.seed)
+        with collectives.agreed_config_errors():
+            model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
+                                seed=d.run.seed)
+            if d.rollout.backend == VLLM_BACKEND and role is None:  # with generator ranks, they check it themselves
+                self._check_vllm(model)
         check_free_space(self.run_dir, model, d.run)
-        if d.rollout.backend == VLLM_BACKEND and role is None:  # with generator ranks, they check it themselves
-            self._check_vllm(model)
         # The KL reference: a frozen copy, or for LoRA the policy itself with its adapters disabled (no copy).
         self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 and d.model.lora is None else None
         self.rl: RLEngine = initialize(model, spec)

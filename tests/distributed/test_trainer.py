@@ -194,3 +194,16 @@ def test_rollouts_that_train_on_nothing_are_warned_about_then_stop_the_run(tmp_p
     assert [(r["rollout"], r["masked_samples"], r["train_tokens"]) for r in rollouts] == [(i, 16, 0) for i in (1, 2, 3)]
     assert (out / "checkpoints" / "latest").read_text() == "rollout2"  # rollout 3, the third empty one: not saved
     assert not (out / "final_model").exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--dsrl.batch.mini_batch_sise", "8"], "dsrl.batch.mini_batch_sise is not a known setting"),  # before the group
+    (["--dsrl.run.rollouts", "3"], "warmup_num_steps = 10 is not shorter than the plan's 6 optimizer steps"),  # after
+])
+def test_a_configuration_error_is_printed_by_one_rank(tmp_path, extra, words):
+    """Found before any work on every rank alike, printed once (it was printed by each of the 2 ranks)."""
+    proc = launch(["launch/train.py", "--ds_config", "configs/tiny_grpo_cpu.json", "--dsrl.sft.steps", "0",
+                   "--dsrl.run.output_dir", str(tmp_path / "out"), *extra], nprocs=2, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("dsrl: configuration error:")]
+    assert len(lines) == 1 and words in lines[0], proc.stderr[-3000:]

@@ -361,3 +361,19 @@ def test_universal_conversion_sees_only_the_engine_s_own_files(tmp_path):
     assert not os.path.exists(source)  # the staging directory is gone
     with _engine_files_only(str(tag / "critic")) as source:
         assert source == str(tag / "critic")  # nothing nested: converted in place
+
+
+def test_config_errors_of_a_startup_check_are_agreed():
+    """dsrl.core.collectives.agreed_config_errors: the error comes out of the block marked agreed (launch/train.py
+    prints it from rank 0 only); a block without one passes; other errors are not touched. The 2-rank jobs:
+    tests/distributed/test_trainer.py::test_a_configuration_error_is_printed_by_one_rank."""
+    from dsrl.core.collectives import agreed_config_errors
+
+    assert ConfigError("x").agreed is False
+    with pytest.raises(ConfigError, match="dsrl.batch.x is wrong") as e, agreed_config_errors():
+        raise ConfigError("dsrl.batch.x is wrong")
+    assert e.value.agreed
+    with agreed_config_errors():
+        pass
+    with pytest.raises(KeyError), agreed_config_errors():
+        raise KeyError("not a configuration error")
