@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch.distributed
+
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.config import ConfigError, parse_override_args
 from dsrl.core.errors import CollectiveTimeout, RunError

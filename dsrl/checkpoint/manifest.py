@@ -3,8 +3,9 @@ the layout each engine was saved with (data-parallel size, ZeRO stage), written 
 
 Invariants:
 - the manifest is written (atomically) before the ``COMPLETE`` marker, so every complete checkpoint
-  written by this version has one; besides the files and layouts it records what the model was (``"model"``:
-  its LoRA adapters, :mod:`dsrl.checkpoint.adapters`); it lists every file of the tag directory, sub-directories included
+  written by this version has one; besides the files and layouts it records what the model was
+  (``"model"``: its LoRA adapters, :mod:`dsrl.checkpoint.adapters`); it lists every file of the tag
+  directory, sub-directories included
   (a second engine saved under ``<tag>/<name>/`` is covered without change), except the commit files
   themselves and the ``universal/`` conversion caches that a resume may add later;
 - :func:`problems` names each file that is missing, has another size or another checksum; an empty

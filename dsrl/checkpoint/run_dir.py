@@ -25,9 +25,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsrl.checkpoint import adapters
+from dsrl.checkpoint import adapters, manifest
 from dsrl.checkpoint import commit as ckpt
-from dsrl.checkpoint import manifest
 from dsrl.checkpoint.output_lock import OutputLock
 from dsrl.config import ConfigError
 from dsrl.core import collectives

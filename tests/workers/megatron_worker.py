@@ -106,6 +106,12 @@ def run_dp_extras(rec: Recorder) -> None:
     c["err/average_with_flag"] = _expect_error(lambda: MegatronRLStep(ddp, opt, sched, convention="average"))
     c["err/not_ddp"] = _expect_error(lambda: MegatronRLStep(ddp.module, opt, sched, convention="per_token"))
     c["err/bad_unit"] = _expect_error(lambda: MegatronRLStep(ddp, opt, sched, schedule_unit="micro_batches"))
+    # megatron-core's example loop keeps a torch Adam: refused at construction, before any forward (it used to fail
+    # after the forward/backward, unpacking the None that torch's step returns).
+    torch_adam = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+    c["err/torch_optimizer"] = _expect_error(lambda: MegatronRLStep(
+        ddp, torch_adam, build_param_scheduler(torch_adam, total_optimizer_steps=4, max_lr=1e-4, min_lr=0.0),
+        convention="per_token"))
 
     # Two forward_backward_func calls in one step, per-token mode.
     replicas = mc.make_replicas(7, [2, 3])
