@@ -25,9 +25,10 @@ import os
 from typing import Any
 
 from dsrl.checkpoint import manifest
-from dsrl.checkpoint.export import ADAPTER_CONFIG, HF_META
 from dsrl.config import ConfigError
 
+HF_META = "hf"  # the checkpoint's Hugging Face metadata folder (dsrl.checkpoint.export.write_hf_meta)
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's, in hf/ of a LoRA run's checkpoints
 ON = "on"  # adapters were on, their settings not recorded (a checkpoint from before the record)
 NOT_KNOWN = "not known"  # neither a record nor an hf/ folder tells
 SHAPING = ("r", "alpha", "target_modules", "modules_to_save")  # what makes the adapters another model

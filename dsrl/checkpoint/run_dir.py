@@ -67,6 +67,17 @@ class RunDir:
     def metrics_path(self) -> str:
         return os.path.join(self.output_dir, METRICS)
 
+    def check_adapters(self, lora: Any) -> None:
+        """Refuse to continue a checkpoint trained with other LoRA adapters than this run's ``dsrl.model.lora``
+        (:mod:`dsrl.checkpoint.adapters`); every rank raises the same ConfigError (the record was broadcast)."""
+        if self.resume is None:
+            return
+        try:
+            adapters.check_resume(self.resume.path, self.resume.lora, lora)
+        except ConfigError as e:
+            e.agreed = True
+            raise
+
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()

@@ -14,7 +14,7 @@ One rollout, on every rank:
    so a rank receives about R/D samples, not R (:mod:`dsrl.rl.data.replica`: tensor peers get
    identical micro-batches); every mini-batch is one ``RLEngine.train_mini_batch`` call, i.e. one
    optimizer step;
-3. with a critic (ppo, :mod:`dsrl.critic`) the critic takes one exact step on the same micro-batches
+3. with a critic (ppo, :mod:`dsrl.rl.critic`) the critic takes one exact step on the same micro-batches
    right after the policy's; in the first ``critic.warmup_rollouts`` rollouts only the critic steps.
    Both engines are saved in one checkpoint commit and resume together.
 
@@ -53,15 +53,16 @@ from dsrl.core.errors import RunError
 from dsrl.core.logprobs import token_entropy, token_logprobs
 from dsrl.core.partition import mini_batches, partition_mini_batch
 from dsrl.core.seeds import derived_seed
+from dsrl.rl.critic import build_critic, prepare_critic
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.replica import RolloutIndex, my_micro_batches
 from dsrl.rl.disagg.remote import GenerationStopped
 from dsrl.rl.disagg.roles import Role, check_layout
 from dsrl.rl.empty_rollouts import EmptyRollouts, RolloutOutcome
-from dsrl.rl.experience import ExperienceMaker, Rewards
+from dsrl.rl.experience import ExperienceMaker, ExperienceSettings, Rewards
 from dsrl.rl.policy.model import forward_logits
 from dsrl.rl.rewards.contract import all_timed_out
-from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
+from dsrl.runtime.metrics import MetricsWriter, rollout_record
 from dsrl.runtime.stop import StopControl, StopRun
 from dsrl.runtime.watchdog import Watch
 
@@ -110,21 +111,11 @@ class Trainer:
             # the ds_config and the schedule made here are the ones the engine is built from.
             spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
             check_layout(self.cfg)
-            critic_spec = None
-            if d.has_critic:
-                from dsrl.rl.critic import prepare_critic
-
-                critic_spec = prepare_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
+            critic_spec = prepare_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)  # None: no critic
         tok = self.tokenizer
         # The output directory: lock, refusals, the verified checkpoint to continue from (dsrl.checkpoint.run_dir).
         self.run_dir = open_run_dir(d.run, checksums=d.run.checkpoint_checksums)
-        if self.run_dir.resume is not None:  # the checkpoint's adapters are this run's (before the model is built)
-            point = self.run_dir.resume
-            try:
-                adapters.check_resume(point.path, point.lora, d.model.lora)
-            except ConfigError as e:
-                e.agreed = True  # every rank read the same record (broadcast by open_run_dir)
-                raise
+        self.run_dir.check_adapters(d.model.lora)  # the checkpoint's adapters are this run's (before the model)
         with collectives.agreed_config_errors():
             model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
@@ -149,11 +140,7 @@ class Trainer:
 
             self.reward_model = RewardModel.load(d.data.reward_model, tok, self.rl, on_gpu=self.on_gpu,
                                                  micro_batch_size=d.rollout.logprob_micro_batch_size)
-        self.critic, self.critic_results = None, []
-        if d.has_critic:
-            from dsrl.rl.critic import Critic
-
-            self.critic = Critic.build(critic_spec, tok, seed=d.run.seed)
+        self.critic = build_critic(critic_spec, tok, seed=d.run.seed)  # the value model, or NO_CRITIC
         self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
                                      last_rollout=d.run.last_rollout)
         self.prompt_source = PromptSource(self.prompts, self.sampler, tok, d.data)
@@ -174,7 +161,7 @@ class Trainer:
         # phase ends bounded, missing ranks named, waits reported (runtime.watchdog)
         self.watch = Watch(d.run.collective_timeout_s, d.run.wait_report_s)
         self.experience = ExperienceMaker(
-            d, self.plan, self.rl, self.backend, tok, self.prompt_source,
+            ExperienceSettings.of(d), self.plan, self.rl, self.backend, tok, self.prompt_source,
             Rewards(reward_fn, load_accuracy_fn(d.data), self.reward_model, environment), self.algo,
             ref_model=self.ref_model, critic=self.critic, watch=self.watch)
         self.resume_notice: str | None = None  # set by an elastic resume (another world size)
@@ -251,8 +238,8 @@ class Trainer:
         self.stop.save_s = time.perf_counter() - t0
 
     def _companions(self) -> dict[str, RLEngine]:
-        """Engines saved and resumed in the policy's checkpoint commit (the critic)."""
-        return {"critic": self.critic.rl} if self.critic is not None else {}
+        """Engines saved and resumed in the policy's checkpoint commit (the critic's)."""
+        return self.critic.companions()
 
     # -- training -------------------------------------------------------------------------------
     def loss_fn(self, engine, micro):
@@ -288,7 +275,7 @@ class Trainer:
     def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:
         """E reshuffled passes over the rollout; one optimizer step per mini-batch (of the policy, unless
         in the critic's warm-up, and of the critic). Returns the policy's step results; the critic's are
-        in ``self.critic_results``.
+        in ``self.critic.results``.
 
         Every rank learns all R lengths, partitions all E*R/B mini-batches, then receives only the
         samples its replica trains on (:mod:`dsrl.rl.data.replica`, rules 3-5)."""
@@ -301,22 +288,18 @@ class Trainer:
         samples = index.exchange(steps, self.device)
         del index
         results = []
-        self.critic_results = []
+        self.critic.begin_rollout()
         policy_steps = self.rollout_index >= self.plan.critic_warmup_rollouts
         for per_rank in steps:
             micros = my_micro_batches(samples, per_rank, view, self.pad_id, self.device, self.plan.packing)
-            res = critic_res = None
+            res = None
             if policy_steps:
                 t0 = time.perf_counter()
                 res = self.rl.train_mini_batch(micros, self.loss_fn)
                 res["step_s"] = time.perf_counter() - t0
                 res["padded_tokens"] = sum(int(m["input_ids"].numel()) for m in micros)
                 results.append(res)
-            if self.critic is not None:
-                t0 = time.perf_counter()
-                critic_res = self.critic.train_mini_batch(micros)
-                critic_res["step_s"] = time.perf_counter() - t0
-                self.critic_results.append(critic_res)
+            critic_res = self.critic.train_mini_batch(micros)  # None without a critic
             self.calls += 1
             on_step(res, critic_res)
         return results
@@ -327,8 +310,7 @@ class Trainer:
             bar.update(1)
         rec = {"rollout": self.rollout_index + 1, "call": self.calls, "optimizer_step": self.rl.optimizer_steps,
                **{k: res[k] for k in STEP_METRICS if res is not None and k in res}}
-        if critic_res is not None:
-            rec.update({f"critic_{k}": critic_res[k] for k in CRITIC_STEP_METRICS if k in critic_res})
+        rec.update(self.critic.step_metrics(critic_res))
         self.metrics.write("step", rec, self.rl.optimizer_steps)
         # A mini-batch boundary: every rank takes the same stop decision here (dsrl.runtime.stop).
         self.stop.note_step(sum(r.get("step_s", 0.0) for r in (res, critic_res) if r is not None))
@@ -432,8 +414,7 @@ class Trainer:
                                      rollout_size=plan.rollout_size,
                                      prompt_epochs=self.prompt_source.drawn / len(self.prompts), sampling_rounds=rounds,
                                      local_train_s=stats.train_s, elapsed_s=time.perf_counter() - t_loop)
-            if self.critic is not None:
-                summary.update(critic_record(self.critic_results))
+            summary.update(self.critic.rollout_metrics())
             self.metrics.write("rollout", summary, self.rl.optimizer_steps)
             if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
                 raise RunError(problem, agreed=True)
@@ -444,7 +425,7 @@ class Trainer:
                 log.info(self.metrics.rollout_line(summary, plan.rollouts))
             # A rollout that trained on nothing is warned about; too many in a row, or a whole run of them, end the
             # run here, before its checkpoint (dsrl.rl.empty_rollouts). Global counts: every rank decides alike.
-            self.empty.observe(self.rollout_index, RolloutOutcome.of(totals, results + self.critic_results),
+            self.empty.observe(self.rollout_index, RolloutOutcome.of(totals, [*results, *self.critic.results]),
                                last=self._ends_run(start), rank=self.rank)
             save, stop = self._should_save(start)
             if save:
@@ -494,7 +475,9 @@ class Trainer:
                    **{k: res[k] for k in ("loss", "grad_norm", "lr", "tokens", "token_accuracy", "step_s") if k in res}}
             self.metrics.write("sft", rec, res["optimizer_step"])
 
-        SupervisedWarmup(self.d, self.plan, self.rl, self.tokenizer, self.prompt_source).run(on_step)
+        d = self.d
+        SupervisedWarmup(d.sft, self.plan, self.rl, self.tokenizer, self.prompt_source, data=d.data, rollout=d.rollout,
+                         seed=d.run.seed).run(on_step)
         if self.rank == 0:
             log.info("supervised warm-up: %d steps, loss %.3f -> %.3f, %.1fs", self.d.sft.steps, first[0], first[-1],
                      time.perf_counter() - t0)
