@@ -63,7 +63,9 @@ class RolloutOutcome:
 
     def why(self) -> str:
         """The counts, in words: what was masked and why, what reached the loss."""
-        if self.masked >= self.samples > 0:
+        if self.samples == 0:
+            what = "it held no samples"
+        elif self.masked >= self.samples:
             causes = []
             if self.nonfinite_rewards:
                 timed = f", {self.reward_timeouts} of them reward calls past data.reward_timeout_s" \
