@@ -90,6 +90,8 @@ def test_megatron_dp_tp_pp_cp_exact_and_guards(tmp_path):
     assert "never advanced per micro-batch" in checks["err/bad_unit"]
     assert checks["err/torch_optimizer"].startswith("TypeError: MegatronRLStep needs megatron-core's optimizer, not "
                                                     "torch.optim.adam.Adam"), checks["err/torch_optimizer"]
+    (warning,) = checks["warn/dropout"]  # only the step built with hidden_dropout = 0.1
+    assert "hidden_dropout = 0.1, attention_dropout = 0.0: dropout makes every forward random" in warning
 
     # Scheduler: once per optimizer step whatever the micro-batch count; exact resume; samples unit.
     assert checks["sched/steps_positions"] == [1, 2, 3]
