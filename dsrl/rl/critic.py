@@ -38,13 +38,12 @@ from typing import Any
 import torch
 
 from dsrl.algos.losses import clipped_value_loss
-from dsrl.backends.deepspeed.autotp import tensor_parallel_size
-from dsrl.backends.deepspeed.config import sequence_parallel_size
 from dsrl.backends.deepspeed.engine import EngineSpec, initialize, prepare
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.config.names import TOKEN_MEAN
-from dsrl.rl.data.batching import Sample, completion_positions
+from dsrl.rl.data.batching import Sample, completion_values
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, critic_record
+from dsrl.runtime.phases import PhaseClock
 
 # ds_config sections that write files: the critic's engine leaves them to the policy's (dsrl logs the
 # critic's metrics through the policy engine's monitor, with a "critic_" prefix).
@@ -86,10 +85,7 @@ def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gp
     trains no value model (the one place that decides)."""
     if not cfg.dsrl.has_critic:
         return None
-    ccfg = critic_config(cfg)
-    if tensor_parallel_size(ccfg.ds_config) > 1 or sequence_parallel_size(ccfg.ds_config) > 1:
-        raise ConfigError("dsrl.algorithm.name = 'ppo': the critic does not run under AutoTP or Ulysses sequence "
-                          "parallelism yet. Fix: use a data-parallel layout (ZeRO 0-3), or a critic-free algorithm.")
+    ccfg = critic_config(cfg)  # AutoTP and Ulysses are refused with the run file (dsrl.config.support)
     try:
         return prepare(ccfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
     except ConfigError as e:
@@ -155,9 +151,9 @@ class Critic:
         return cls(initialize(model, spec), spec.config.dsrl.critic.value_clip)
 
     def values(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """The rollout's values per micro-batch (``[b, t]`` on the CPU), before any update; every rank runs
+        """The rollout's values per micro-batch (``[b, t]``, on the device), before any update; every rank runs
         the same number of forwards."""
-        return self.rl.forward_no_grad(micro_batches, lambda model, micro: forward_values(model, micro).cpu())
+        return self.rl.forward_no_grad(micro_batches, forward_values)
 
     def loss_fn(self, model: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token clipped value loss and metrics (the new values, the returns, the clip indicator)."""
@@ -165,12 +161,14 @@ class Critic:
         loss, m = clipped_value_loss(values, micro["old_values"], micro["returns"], self.value_clip)
         return loss, {"vf_clip_frac": m["vf_clip_frac"], "value": values.detach(), "return": micro["returns"]}
 
-    def add_values(self, groups: Sequence[Sequence[Sample]], micro_batches: Sequence[dict[str, torch.Tensor]]) -> None:
+    def add_values(self, samples: Sequence[Sample], groups: Sequence[Sequence[Sample]],
+                   micro_batches: Sequence[dict[str, torch.Tensor]], phases: PhaseClock) -> None:
         """Each sample's ``values``: V(s_t) at its completion tokens, from the micro-batch ``micro_batches[i]`` that
-        collates ``groups[i]`` (once per rollout, before any update)."""
-        for g, values in zip(groups, self.values(micro_batches)):
-            for s, row, sl in zip(g, values, completion_positions(g)):
-                s.values = row[sl].tolist()
+        collates ``groups[i]`` (``samples``: the groups' samples in order), once per rollout, before any update,
+        timed as the ``critic_values`` phase (one device-to-host copy for the pass)."""
+        with phases.phase("critic_values"):
+            for s, values in zip(samples, completion_values(groups, self.values(micro_batches))):
+                s.values = values
 
     def begin_rollout(self) -> None:
         self.results = []
@@ -204,7 +202,8 @@ class NoCritic:
     present = False
     results: tuple[Any, ...] = ()
 
-    def add_values(self, groups: Sequence[Sequence[Sample]], micro_batches: Sequence[dict[str, torch.Tensor]]) -> None:
+    def add_values(self, samples: Sequence[Sample], groups: Sequence[Sequence[Sample]],
+                   micro_batches: Sequence[dict[str, torch.Tensor]], phases: PhaseClock) -> None:
         return None
 
     def begin_rollout(self) -> None:

@@ -46,7 +46,7 @@ from dsrl.core.logprobs import token_logprobs
 from dsrl.core.plan import BatchPlan
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.critic import NO_CRITIC, Critic, NoCritic
-from dsrl.rl.data.batching import Sample, chunks, collate, completion_positions
+from dsrl.rl.data.batching import Sample, chunks, collate, completion_values
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import is_source, share_with_tensor_peers
 from dsrl.rl.episodes.driver import EpisodeRunner, score_trajectories
@@ -54,6 +54,7 @@ from dsrl.rl.episodes.environment import ObservationEncoder
 from dsrl.rl.episodes.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, model_mask
 from dsrl.rl.policy.model import forward_logits
 from dsrl.rollout.base import RolloutBackend
+from dsrl.runtime.phases import PhaseClock
 
 
 class _NoWatch:
@@ -195,16 +196,19 @@ class ExperienceMaker:
     each used for what its name says: ``policy`` (the RLEngine: its parallel view, device and no-grad forwards for
     the old log-probs), ``backend`` (generation), ``prompts`` (the prompt stream and its encoding), ``rewards``,
     ``algo`` (the resolved algorithm), and optionally ``ref_model`` (KL reference), ``critic``
-    (:class:`dsrl.rl.critic.Critic`, or :data:`dsrl.rl.critic.NO_CRITIC`) and ``watch`` (bounded phase ends). With
-    an environment in ``rewards``, each sampling round is one of multi-turn trajectories, run by an
+    (:class:`dsrl.rl.critic.Critic`, or :data:`dsrl.rl.critic.NO_CRITIC`), ``watch`` (bounded phase ends) and
+    ``phases`` (the :class:`dsrl.runtime.phases.PhaseClock` that times generation, rewards and the no-grad passes).
+    With an environment in ``rewards``, each sampling round is one of multi-turn trajectories, run by an
     :class:`dsrl.rl.episodes.driver.EpisodeRunner` built here from these collaborators."""
 
     def __init__(self, settings: ExperienceSettings, plan: BatchPlan, policy: Any, backend: RolloutBackend,
                  tokenizer: Any, prompts: PromptSource, rewards: Rewards, algo: algos.ResolvedAlgorithm, *,
-                 ref_model: Any = None, critic: Critic | NoCritic = NO_CRITIC, watch: Any = None):
+                 ref_model: Any = None, critic: Critic | NoCritic = NO_CRITIC, watch: Any = None,
+                 phases: PhaseClock | None = None):
         self.d, self.plan, self.policy, self.backend = settings, plan, policy, backend
         self.tokenizer, self.prompts, self.rewards, self.algo = tokenizer, prompts, rewards, algo
         self.ref_model, self.critic, self.watch = ref_model, critic, watch or _NO_WATCH
+        self.phases = phases or PhaseClock()
         self.view = policy.view
         self.replica = self.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
         self.pad_id = tokenizer.pad_token_id
@@ -215,7 +219,7 @@ class ExperienceMaker:
             self.episodes = EpisodeRunner(
                 backend, tokenizer, rewards.environment, ObservationEncoder(tokenizer, settings.data.chat_template),
                 settings.rollout.max_turns, settings.rollout.max_trajectory_tokens, self.view, policy.device,
-                self.watch)
+                self.watch, self.phases)
 
     @property
     def device(self) -> Any:
@@ -232,16 +236,16 @@ class ExperienceMaker:
         records, prompt_ids = self.prompts.encode(indices)
         if self.episodes is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes.driver)
             trajs = self.episodes.run(records, prompt_ids, self.plan.samples_per_prompt, seed, labels=indices)
-            with self.watch.phase("reward"):
+            with self.watch.phase("reward"), self.phases.phase("reward"):
                 scores = self._model_scores([t.tokens for t in trajs])
                 r = self.rewards
                 return share_with_tensor_peers(self.view, lambda: score_trajectories(
                     indices, records, trajs, reward_fn=r.reward_fn, accuracy_fn=r.accuracy_fn, data=self.d.data,
                     version=self.version, model_scores=scores))
-        with self.watch.phase("generation"):
+        with self.watch.phase("generation"), self.phases.phase("generate"):
             # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
             completions = self.backend.generate(prompt_ids, self.plan.samples_per_prompt, seed=seed)
-        with self.watch.phase("reward"):
+        with self.watch.phase("reward"), self.phases.phase("reward"):
             scores = self._model_scores([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
             # Tensor peers adopt their source's scored samples (dsrl.rl.data.replica rule 2).
             return share_with_tensor_peers(self.view, lambda: self._score(indices, records, completions, scores))
@@ -334,7 +338,7 @@ class ExperienceMaker:
 
         def fn(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
             logits = forward_logits(model, micro)
-            return token_logprobs(logits, micro["targets"], temp).float().cpu()
+            return token_logprobs(logits, micro["targets"], temp).float()  # stays on the device
 
         return fn
 
@@ -344,20 +348,16 @@ class ExperienceMaker:
         groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
         micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
         fn = self._logprob_fn()
-        outs = self.policy.forward_no_grad(micros, fn)
-        for g, lp in zip(groups, outs):
-            for s, row, sl in zip(g, lp, completion_positions(g)):
-                s.old_logprobs = row[sl].tolist()
-        self.critic.add_values(groups, micros)  # V(s_t) of every completion token (nothing without a critic)
+        with self.phases.phase("old_logprobs"):
+            for s, values in zip(samples, completion_values(groups, self.policy.forward_no_grad(micros, fn))):
+                s.old_logprobs = values
+        self.critic.add_values(samples, groups, micros, self.phases)  # V(s_t) per completion token (with a critic)
         if self.ref_model is None:
             return
-        with torch.no_grad():
-            # A reference that runs through the policy's engine (LoRA: adapters disabled) pads its forwards itself.
-            refs = (self.ref_model.forward_no_grad(micros, fn) if hasattr(self.ref_model, "forward_no_grad")
-                    else [fn(self.ref_model, micro) for micro in micros])
-            for g, lp in zip(groups, refs):
-                for s, row, sl in zip(g, lp, completion_positions(g)):
-                    s.ref_logprobs = row[sl].tolist()
+        with torch.no_grad(), self.phases.phase("ref_logprobs"):
+            # The reference (a frozen copy, or the policy with its LoRA adapters disabled) pads its forwards itself.
+            for s, values in zip(samples, completion_values(groups, self.ref_model.forward_no_grad(micros, fn))):
+                s.ref_logprobs = values
         if self.d.algorithm.kl_in == "reward" and not self.critic.present:  # with a critic: per token, in GAE
             coef = self.d.algorithm.kl_coef
             for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)

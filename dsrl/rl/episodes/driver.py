@@ -49,6 +49,7 @@ from dsrl.rl.data.replica import share_with_tensor_peers
 from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder, Turn
 from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, Trajectory
 from dsrl.rl.rewards.contract import _short
+from dsrl.runtime.phases import PhaseClock
 
 log = logging.getLogger("dsrl.episodes")
 
@@ -83,13 +84,16 @@ class _TurnResult:
 
 class EpisodeRunner:
     """Generates one round of trajectories (module docstring). ``view``/``device``: the policy's parallel view and
-    collective device; ``watch``: the job's :class:`dsrl.runtime.watchdog.Watch` (or None)."""
+    collective device; ``watch``: the job's :class:`dsrl.runtime.watchdog.Watch` (or None); ``phases``: the
+    :class:`dsrl.runtime.phases.PhaseClock` that times the model's turns as the ``generate`` phase (or None)."""
 
     def __init__(self, backend: Any, tokenizer: Any, env: EnvironmentCaller, encoder: ObservationEncoder,
-                 max_turns: int, max_tokens: int, view: Any = None, device: Any = "cpu", watch: Any = None):
+                 max_turns: int, max_tokens: int, view: Any = None, device: Any = "cpu", watch: Any = None,
+                 phases: PhaseClock | None = None):
         self.backend, self.tokenizer, self.env, self.encoder = backend, tokenizer, env, encoder
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.view, self.device, self.watch = view, device, watch or _NoWatch()
+        self.phases = phases or PhaseClock()
         self._episodes: dict[int, Any] = {}
         self._overflow_told = False
 
@@ -105,7 +109,7 @@ class EpisodeRunner:
         turn = 0
         while True:
             active = [k for k, t in enumerate(trajs) if t.active]
-            with self.watch.phase("generation"):
+            with self.watch.phase("generation"), self.phases.phase("generate"):
                 if turn == 0:  # called even with no prompts: under ZeRO-3 every rank enters the parameter gather
                     completions = self.backend.generate(prompt_ids, G, seed=seed)
                 else:
