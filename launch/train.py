@@ -17,7 +17,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import time
+
+import torch.distributed
 
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.config import ConfigError, parse_override_args
@@ -48,16 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     quiet = os.environ.get("RANK", "0") != "0"  # an error every rank agreed on is printed by rank 0 only
     role = None
     try:
-        try:  # the command line and the run file alone: every rank finds the same errors, rank 0 prints them
-            overrides = parse_override_args(rest)
-            if args.overwrite:
-                overrides["dsrl.run.overwrite"] = True
-            from dsrl.config import load_config
+        # the command line and the run file alone (no process group yet): each node's first rank prints their errors
+        overrides = parse_override_args(rest)
+        if args.overwrite:
+            overrides["dsrl.run.overwrite"] = True
+        from dsrl.config import load_config
 
-            cfg = load_config(args.ds_config, overrides)
-        except ConfigError as e:
-            e.agreed = True  # type: ignore[attr-defined]
-            raise
+        cfg = load_config(args.ds_config, overrides)
         from dsrl.rl.disagg.roles import GENERATOR, split_world
         from dsrl.rl.trainer import Trainer
 
@@ -69,19 +70,25 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, resume=args.resume, role=role)
         trainer.run()
     except ConfigError as e:
-        if not (quiet and getattr(e, "agreed", False)):
+        printer = _prints_config_error(e, quiet, role)
+        if printer:
             print(f"dsrl: configuration error: {e}", file=sys.stderr)
         if role is not None:  # trainer 0 before the start: the generators end with this status, silently
             role.abandon(2)
+        if not printer:
+            _wait_for_the_printer()
         return 2
     except RunError as e:
-        if not (quiet and e.agreed):
+        printer = not (quiet and e.agreed)
+        if printer:
             print(f"dsrl: error: {e}", file=sys.stderr)
         if role is not None:
             role.abandon(1)
         if isinstance(e, CollectiveTimeout) or role is not None:
             # A peer is stuck or gone (a generator, a trainer): tearing the groups down would wait for it. Leave now.
             _leave(1)
+        if not printer:
+            _wait_for_the_printer()
         return 1
     except RuntimeError as e:
         if not looks_like_timeout(e):
@@ -99,6 +106,27 @@ def main(argv: list[str] | None = None) -> int:
     if role is not None:  # a disaggregated job: receives still posted to gone peers must not block the exit
         _leave(trainer.stop.exit_code)
     return trainer.stop.exit_code
+
+
+def _prints_config_error(e: ConfigError, quiet: bool, role: object) -> bool:
+    """Whether this rank prints the configuration error ``e``, so that one rank does: rank 0 when every rank raised
+    it (``e.agreed``); before any process group exists (the run file and its overrides, read alike by the ranks of
+    a node), the first rank of each node; otherwise the rank that raised it."""
+    if e.agreed:
+        return not quiet
+    if role is None and not torch.distributed.is_initialized():
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+    return True
+
+
+def _wait_for_the_printer(bound_s: float = 30.0) -> None:
+    """A rank that leaves an error to the rank printing it waits for that rank to end the job: the launcher
+    (deepspeed's, torchrun) ends every rank once one exits with an error, and would otherwise kill the printing
+    rank if this one exited first. SIGTERM/SIGINT end the wait silently; past ``bound_s`` this rank goes on to exit
+    (printing an error that was not agreed itself: the printing rank may not have met it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    time.sleep(bound_s)
 
 
 def _leave(code: int) -> None:

@@ -22,7 +22,11 @@ class ConfigError(ValueError):
     """A configuration problem, reported before any work starts. The message names field and fix.
 
     ``problems``: each problem's own sentence (one for a single problem); :func:`problems_error` makes one error of
-    several, so a run file's every problem is reported at once."""
+    several, so a run file's every problem is reported at once. ``agreed`` is True when every rank raised the same
+    error (``launch/train.py`` then prints it from rank 0 only): set by :func:`dsrl.core.collectives.on_rank0` and
+    :func:`dsrl.core.collectives.agree`."""
+
+    agreed: bool = False
 
     def __init__(self, message: str, problems: list[str] | None = None):
         super().__init__(message)

@@ -73,3 +73,8 @@ def reverse_gated_first_call(prompts: list[str], completions: list[str], answers
 
 
 _gated: list[bool] = []
+
+
+def nan_batched(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """Broken on purpose: NaN for every completion (every sample masked; the run trains on nothing)."""
+    return [float("nan")] * len(completions)
