@@ -1,0 +1,187 @@
+"""A mixture-of-experts policy in the trainer: its routing layout, the run's MoE settings checked before any work,
+and what the trainer's forwards do with routes (routing replay, R3; the router's load-balancing term).
+
+Invariants:
+- :func:`check_moe_run` refuses, before any work and with one sentence naming the setting and the fix: routing
+  replay or a load-balancing loss on a dense model, on an MoE architecture dsrl cannot route, with a rollout
+  backend that cannot return routes, or under a parallel layout that shards positions or routers (Ulysses,
+  AutoTP); DeepSpeed AutoEP with a backend or placement whose forwards are not matched across the expert-parallel
+  group (``cb``, ``vllm``, disaggregated);
+- :class:`PolicyRouting` forces, under ``routing_replay = "rollout"``, each micro-batch's ``routes`` in the
+  old-log-prob, reference and training forwards (:meth:`dsrl.rollout.routes.MoERouting.force`; sticky until
+  :meth:`PolicyRouting.release`, so a backward that re-runs forwards sees them too), and always measures the
+  rollout-vs-trainer mismatch: the trainer's own routes are recorded in the natural (unforced) old-log-prob
+  forward, and when the samples carry rollout routes the recompute runs both ways (own routes, replayed routes),
+  whichever the setting uses;
+- the samples keep their routes for the training forwards only when they are replayed or counted for the
+  load-balancing term (:mod:`dsrl.algos.router_balance`, computed by the trainer), whose load f comes from the
+  routes the samples carry: the rollout's, or without those the trainer's own from its proximal forward.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsrl.config import ConfigError
+from dsrl.config.names import AUTO_BACKEND, CB_BACKEND, DISAGGREGATED, HF_BACKEND, REPLAY_ROLLOUT, VLLM_BACKEND
+from dsrl.core.routes import MoELayout, config_layout, differing_pairs, sequence_routes
+from dsrl.rollout.routes import MoERouting
+
+ROUTABLE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # dsrl.rollout.routes hooks their routers
+# Rollout backends whose completions carry routes (rollout.backend -> why not, None = they do)
+ROUTES_UNSUPPORTED: dict[str, str | None] = {
+    HF_BACKEND: None,
+    CB_BACKEND: "continuous batching does not record routes yet",
+    AUTO_BACKEND: "auto may pick continuous batching, which does not record routes yet",
+    VLLM_BACKEND: "the vLLM backend does not return routes yet",
+}
+
+
+def model_config(model_cfg: Any) -> Any:
+    """The policy's transformers config: ``model.path``'s config.json (nothing downloaded), or the tiny model's."""
+    if model_cfg.path:
+        from transformers import AutoConfig
+
+        if not os.path.isdir(model_cfg.path):
+            return None  # reported where the model is built
+        return AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    from dsrl.rl.policy.model import tiny_config
+
+    return tiny_config(model_cfg.arch, 2, None, None, None, model_cfg.tiny)
+
+
+def policy_layout(model_cfg: Any) -> MoELayout | None:
+    """The policy's :class:`MoELayout` from its config (None for a dense model)."""
+    config = model_config(model_cfg)
+    return config_layout(config) if config is not None else None
+
+
+def check_moe_run(cfg: Any) -> MoELayout | None:
+    """The MoE refusals of the module docstring for a run file (:class:`dsrl.config.Config`); returns the policy's
+    layout (None when dense)."""
+    from dsrl.backends.deepspeed.autoep import expert_parallel_size
+    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+    from dsrl.backends.deepspeed.config import sequence_parallel_size
+
+    d, ds = cfg.dsrl, cfg.ds_config
+    m = d.model
+    config = model_config(m)
+    layout = config_layout(config) if config is not None else None
+    replay = m.routing_replay == REPLAY_ROLLOUT
+    what = f"model.path {m.path!r}" if m.path else f"model.arch {m.arch!r}"
+    asked = [s for s, on in ((f"dsrl.model.routing_replay = {m.routing_replay!r}", replay),
+                             (f"dsrl.model.router_aux_loss_coef = {m.router_aux_loss_coef}",
+                              m.router_aux_loss_coef > 0)) if on]
+    off = "set dsrl.model.routing_replay = 'off' and router_aux_loss_coef = 0"
+    ep = expert_parallel_size(ds)
+    if ep > 1 and d.rollout.backend in (CB_BACKEND, VLLM_BACKEND):
+        raise ConfigError(f"rollout.backend = {d.rollout.backend!r} with expert_parallel.autoep_size = {ep}: every "
+                          "forward of an AutoEP model is an all-to-all of the expert-parallel group, and this backend "
+                          "runs a different number of forwards on each rank. Fix: use rollout.backend = 'hf'.")
+    if ep > 1 and d.rollout.placement == DISAGGREGATED:
+        raise ConfigError(f"rollout.placement = 'disaggregated' with expert_parallel.autoep_size = {ep}: the "
+                          "generator ranks would need the trainers' expert-parallel groups. Fix: use colocated "
+                          "placement with AutoEP, or remove expert_parallel.")
+    if ep > 1 and d.rollout.backend == AUTO_BACKEND:
+        raise ConfigError(f"rollout.backend = 'auto' with expert_parallel.autoep_size = {ep}: auto may pick "
+                          "continuous batching, whose forwards are not matched across the expert-parallel group. "
+                          "Fix: set rollout.backend = 'hf'.")
+    if not asked:
+        return layout
+    if layout is None:
+        raise ConfigError(f"{asked[0]} with a dense model ({what} has no mixture-of-experts layers): there are no "
+                          f"routes to replay or balance. Fix: {off}, or use an MoE model "
+                          "(model.arch 'qwen3_moe', or a Mixtral / Qwen-MoE checkpoint).")
+    model_type = getattr(config, "model_type", "")
+    if model_type not in ROUTABLE_MODEL_TYPES:
+        raise ConfigError(f"{asked[0]} with {what}, a {model_type!r} mixture of experts: dsrl records and replays "
+                          f"the routers of {', '.join(ROUTABLE_MODEL_TYPES)} only. Fix: {off}, or use one of "
+                          "those architectures.")
+    if replay and (why := ROUTES_UNSUPPORTED.get(d.rollout.backend)) is not None:
+        raise ConfigError(f"dsrl.model.routing_replay = 'rollout' with rollout.backend = {d.rollout.backend!r}: "
+                          f"{why}, so there would be no routes to replay. Fix: use rollout.backend = 'hf', or set "
+                          "routing_replay = 'off'.")
+    if sequence_parallel_size(ds) > 1 or tensor_parallel_size(ds) > 1:
+        raise ConfigError(f"{asked[0]} with Ulysses sequence parallelism or AutoTP: each rank would see a shard of "
+                          "every position's tokens or of the router, which dsrl's routes do not describe. Fix: "
+                          f"remove sequence_parallel_size / tensor_parallel, or {off}.")
+    return layout
+
+
+@dataclass
+class RouteMismatch:
+    """This rank's sums of the rollout-vs-trainer comparison (sources only)."""
+
+    pairs: int = 0  # (position, layer) pairs with a route on both sides
+    differing: int = 0  # of those, the ones whose set of experts differs
+    tokens: int = 0  # counted completion tokens compared below
+    own_abs_diff: float = 0.0  # sum |log pi (trainer's own routes) - log mu|
+    replayed_abs_diff: float = 0.0  # sum |log pi (rollout's routes replayed) - log mu|
+    replayed_tokens: int = 0
+
+
+class PolicyRouting:
+    """The MoE duties of the trainer's forwards (module docstring) for the policy engine and its KL reference."""
+
+    def __init__(self, model_cfg: Any, policy: Any, reference: Any = None):
+        routing = MoERouting.of(policy)
+        if routing is None:
+            raise ValueError("PolicyRouting needs a mixture-of-experts policy")
+        self.routing = routing
+        ref_module = getattr(reference, "module", reference)
+        self.ref_routing = MoERouting.of(ref_module) if isinstance(ref_module, torch.nn.Module) else routing
+        self.replay = model_cfg.routing_replay == REPLAY_ROLLOUT
+        self.aux_coef = float(model_cfg.router_aux_loss_coef)
+        self.layout = routing.layout
+
+    @property
+    def keep_routes(self) -> bool:
+        """Whether samples carry their routes to the training forwards (replayed, or counted for the load f)."""
+        return self.replay or self.aux_coef > 0
+
+    def release(self) -> None:
+        """No routes forced any more (after a mini-batch's backwards, or a pass of forwards)."""
+        self.routing.force(None)
+        self.ref_routing.force(None)
+
+    def forcing(self, fn: Callable[[Any, dict], Any], routing: MoERouting | None = None) -> Callable[[Any, dict], Any]:
+        """``fn`` with each micro-batch's ``routes`` forced first (FREE everywhere when it has none)."""
+        routing = routing or self.routing
+
+        def run(model: Any, micro: dict) -> Any:
+            routing.force(micro.get("routes"))
+            return fn(model, micro)
+
+        return run
+
+    def recorded(self, forward: Callable[[], list[Any]]) -> tuple[list[Any], list[torch.Tensor]]:
+        """``forward()``'s outputs and the routes of its forwards (``[rows, layers, top_k]`` each, in order),
+        routed by the trainer's own routers."""
+        self.routing.force(None)
+        with self.routing.recording() as log:
+            outs = forward()
+        return outs, log.calls()
+
+    def check_sample_routes(self, routes: torch.Tensor, positions: int, where: str) -> None:
+        """A sample's routes must fit the policy (``[positions, layers, top_k]``, experts in range)."""
+        self.routing.check_routes(routes, f"the routes of {where}")
+        if routes.shape[0] != positions:
+            from dsrl.core.routes import RouteShapeError
+
+            raise RouteShapeError(f"the routes of {where} cover {routes.shape[0]} positions, but the sample has "
+                                  f"{positions} input positions (tokens - 1): the rollout backend broke its contract "
+                                  "(dsrl.rollout.base)")
+
+    def compare(self, rollout: torch.Tensor | None, own: torch.Tensor, mismatch: RouteMismatch) -> None:
+        """Add one sample's (rollout routes, trainer's own routes) comparison to ``mismatch``."""
+        if rollout is None:
+            return
+        own = sequence_routes(own, rollout.shape[0])
+        diff, pairs = differing_pairs(rollout.to(torch.long), own.to(torch.long))
+        mismatch.differing += diff
+        mismatch.pairs += pairs
