@@ -72,7 +72,7 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
         "lr_unit": "absolute" if lr is not None else "fraction of the optimizer lr",
         "gradient_clipping": cfg.ds_config.get("gradient_clipping", 1.0),
     }
-    extra.update(_expert_layout(cfg, world_size, trainers))
+    extra.update(_expert_layout(cfg, on_gpu))
     if lengths is not None and plan.token_budget_mode:
         from dsrl.core.partition import expected_token_budget_stats
 
@@ -80,13 +80,13 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     return plan, extra
 
 
-def _expert_layout(cfg: Config, world_size: int, trainers: int) -> dict[str, Any]:
+def _expert_layout(cfg: Config, on_gpu: bool) -> dict[str, Any]:
     """A mixture-of-experts policy's layout (empty for a dense one), its MoE settings checked like a run's:
     experts per MoE layer, top-k, MoE layers, the expert-parallel size (AutoEP) and the experts each rank holds."""
     from dsrl.backends.deepspeed.autoep import expert_parallel_size
     from dsrl.rl.policy.moe import check_moe_run
 
-    layout = check_moe_run(cfg)
+    layout = check_moe_run(cfg, on_gpu)
     if layout is None:
         return {}
     ep = expert_parallel_size(cfg.ds_config)

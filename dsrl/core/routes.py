@@ -44,11 +44,15 @@ def config_layout(config: Any) -> MoELayout | None:
     top_k = getattr(config, "num_experts_per_tok", None)
     if not experts or not top_k:
         return None
+    return MoELayout(layers=len(moe_layer_indices(config)), experts=int(experts), top_k=int(top_k))
+
+
+def moe_layer_indices(config: Any) -> list[int]:
+    """The hidden layers of a Mixtral / Qwen-MoE config whose MLP is routed, in model order."""
     n = int(config.num_hidden_layers)
     dense = set(getattr(config, "mlp_only_layers", None) or [])
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    layers = sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
-    return MoELayout(layers=layers, experts=int(experts), top_k=int(top_k))
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
 class RouteShapeError(ValueError):

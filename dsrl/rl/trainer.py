@@ -110,7 +110,7 @@ class Trainer:
         check_layout(self.cfg)
         from dsrl.rl.policy.moe import check_moe_run
 
-        moe_layout = check_moe_run(self.cfg)  # mixture-of-experts settings (dsrl.rl.policy.moe), before any work
+        moe_layout = check_moe_run(self.cfg, self.on_gpu)  # mixture-of-experts settings (dsrl.rl.policy.moe), first
         critic_spec = None
         if d.has_critic:
             from dsrl.rl.critic import prepare_critic
@@ -212,6 +212,8 @@ class Trainer:
         self.resume_notice = resumed.notice
         if resumed.notice and self.rank == 0:
             log.warning(resumed.notice)
+        if self.moe is not None:
+            self.moe.check_resumed(client.get("moe"), os.path.join(load_dir, tag))
         self.rollout_index = int(client["rollout"])
         self.calls = int(client["calls"])
         self.sampler.load_state_dict(client["sampler"])
@@ -235,6 +237,8 @@ class Trainer:
         tag = f"rollout{self.rollout_index}"
         client = {"rollout": self.rollout_index, "calls": stream["calls"], "sampler": stream["sampler"],
                   "version": self.rollout_index}  # the policy version the saved weights are (weight syncs so far)
+        if self.moe is not None:  # the routing layout, checked when the run resumes
+            client["moe"] = self.moe.checkpoint_state()
         rank_state = {"torch_rng": stream["torch_rng"], "python_rng": stream["python_rng"]}
         t0 = time.perf_counter()
         with self.watch.phase("save"):
@@ -257,7 +261,10 @@ class Trainer:
         a, algo = self.d.algorithm, self.algo
         moe = self.moe
         if moe is not None and moe.replay:
-            moe.routing.force(micro.get("routes"))
+            if "routes" not in micro:
+                raise RuntimeError("a training micro-batch arrived without routes under dsrl.model.routing_replay = "
+                                   "'rollout'; the data path dropped them")
+            moe.routing.force(micro["routes"])
         with moe.routing.router_probs() if load is not None else contextlib.nullcontext() as probs:
             logits = forward_logits(engine, micro)
         logp = token_logprobs(logits, micro["targets"], self.d.rollout.temperature)

@@ -82,6 +82,9 @@ class AutoRolloutBackend(RolloutBackend):
         name = auto_backend_name(device.type, attn, self.num_params, c, cb_attn)
         return self.cb if name == CB_BACKEND and self.cb is not None else self.hf
 
+    def returns_routes(self) -> bool:
+        return self.hf.returns_routes()  # cb records them too, on the same policy
+
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, **kwargs: Any
                  ) -> list[Completion]:
         """See :mod:`dsrl.rollout.base`; the chosen backend's ``generate``."""

@@ -209,8 +209,8 @@ def _run_file(tmp_path, **model) -> str:
 @pytest.mark.parametrize("model, rollout, ds, match", [
     ({"routing_replay": "rollout"}, {}, {}, r"routing_replay = 'rollout' with a dense model \(model.arch 'qwen2'"),
     ({"router_aux_loss_coef": 0.1}, {}, {}, r"router_aux_loss_coef = 0.1 with a dense model"),
-    ({"arch": "qwen3_moe", "routing_replay": "rollout"}, {"backend": "cb"}, {},
-     r"routing_replay = 'rollout' with rollout.backend = 'cb': continuous batching does not record routes"),
+    ({"arch": "qwen3_moe", "routing_replay": "rollout"}, {"backend": "vllm"}, {},
+     r"routing_replay = 'rollout' with rollout.backend = 'vllm': vLLM's CPU build cannot return routes"),
     ({"arch": "qwen3_moe", "routing_replay": "rollout"}, {"backend": "hf"}, {"tensor_parallel": {"autotp_size": 2}},
      "Ulysses sequence parallelism or AutoTP"),
     ({"arch": "qwen3_moe"}, {"backend": "cb"}, {"expert_parallel": {"enabled": True, "autoep_size": 2}},
@@ -224,7 +224,7 @@ def test_moe_refusals_before_any_work(tmp_path, model, rollout, ds, match):
     cfg = load_config(_run_file(tmp_path, **model), {"dsrl.rollout." + k: v for k, v in rollout.items()})
     cfg.ds_config.update(ds)
     with pytest.raises(ConfigError, match=match) as e:
-        check_moe_run(cfg)
+        check_moe_run(cfg, on_gpu=False)
     assert "Fix:" in str(e.value)
 
 
@@ -237,7 +237,7 @@ def test_moe_checkpoint_architecture_not_routable(tmp_path):
         tmp_path / "olmoe")
     cfg = load_config(_run_file(tmp_path, path=str(tmp_path / "olmoe"), routing_replay="rollout"))
     with pytest.raises(ConfigError, match="'olmoe' mixture of experts: dsrl records and replays the routers of"):
-        check_moe_run(cfg)
+        check_moe_run(cfg, on_gpu=False)
 
 
 def test_plan_shows_the_expert_layout(tmp_path, capsys):
@@ -256,3 +256,69 @@ def test_plan_shows_the_expert_layout(tmp_path, capsys):
     assert "2 MoE layers x 4 experts, top-2 per token" in text and "2 experts of each layer per rank" in text
     assert main(["plan", "--ds_config", _run_file(tmp_path), "--json"]) == 0
     assert "experts" not in json.loads(capsys.readouterr().out)  # a dense plan is unchanged
+
+
+def test_cb_backend_records_the_routes_its_packed_forwards_chose():
+    """Continuous batching's packed forwards (requests mixed in one row, prefills and decodes together): every
+    completion's routes, stitched per request, are the experts the trainer's own float32 routers choose on the whole
+    sequence, and the replayed recompute matches the behavior log-probs to <= 1e-6."""
+    from dsrl.rollout.cb import ContinuousBatchingBackend
+
+    m = tiny_moe()
+    backend = ContinuousBatchingBackend(m, TOK, RolloutConfig(max_new_tokens=8, generation_batch_size=2,
+                                                              backend="cb"))
+    assert backend.returns_routes()
+    cs = backend.generate(PROMPTS + [[BOS] + [5, 6, 7, 3] * 5], 3, seed=0)
+    routing = MoERouting.of(m)
+    m.eval()
+    for c in cs:
+        toks = torch.tensor(c.prompt_ids + c.completion_ids)
+        assert c.routes.shape == (len(toks) - 1, 2, 2) and bool((c.routes >= 0).all())
+        inp, tgt = toks[:-1].unsqueeze(0), toks[1:].unsqueeze(0)
+        with torch.no_grad(), routing.recording() as log:
+            m(inp)
+        assert differing_pairs(log.call(0), c.routes)[0] == 0
+        with torch.no_grad(), routing.forcing(c.routes.unsqueeze(0)):
+            lp = token_logprobs(m(inp).logits, tgt, 1.0)[0, len(c.prompt_ids) - 1:]
+        assert float((lp - torch.tensor(c.behavior_logprobs)).abs().max()) <= 1e-6
+
+
+def test_multi_turn_routes_cover_model_tokens_only():
+    """A trajectory keeps from each turn's routes the positions that predicted that turn's tokens (and the prompt's
+    from the first); environment tokens are FREE; a turn without routes leaves none."""
+    from dsrl.rl.episodes.trajectory import Trajectory
+
+    t = Trajectory(0, [1, 5, 6])
+    turn0 = torch.arange(4 * 2).view(4, 1, 2) % 4  # generate on the 3-token prompt, 2 tokens: 3 + 2 - 1 positions
+    t.add_model_turn([7, 8], [-0.1, -0.2], turn0)
+    t.add_observation([9, 10])
+    turn1 = torch.full((8, 1, 2), 3)  # generate on the 7-token prefix, 2 tokens
+    t.add_model_turn([11, 2], [-0.3, -0.4], turn1)
+    s = t.sample(group=0, reward=1.0)
+    assert s.routes.shape == (8, 1, 2)
+    assert torch.equal(s.routes[:4], turn0.to(torch.int16))  # prompt + the first turn's predicting positions
+    assert s.routes[4:6].eq(FREE).all()  # the first observation token and the one after it: routed fresh
+    assert s.routes[6:].eq(3).all()  # the last observation token (predicts turn 1's first token) and turn 1's
+    # the positions whose targets are model tokens (the loss's) all carry a route
+    mask = collate([s], PAD)["loss_mask"][0]
+    assert bool((collate([s], PAD)["routes"][0][mask > 0] >= 0).all())
+    u = Trajectory(0, [1, 5])
+    u.add_model_turn([7], [-0.1], None)
+    u.add_model_turn([8], [-0.1], torch.zeros(3, 1, 2))
+    assert u.sample(group=0, reward=0.0).routes is None
+
+
+def test_routes_travel_through_the_codec_and_the_wire_bit_for_bit():
+    """A sample's and a completion's routes survive the data path's codec and the async path's wire exactly."""
+    from dsrl.rl.data.codec import decode_sample, encode_sample
+    from dsrl.rl.disagg.wire import decode_completions, encode_completions
+    from dsrl.rollout.base import Completion
+
+    routes = torch.randint(-1, 4, (5, 2, 2), dtype=torch.int16)
+    s = decode_sample(encode_sample(Sample(tokens=[1, 5, 6, 7, 2, 3], prompt_len=2, group=0, reward=1.0,
+                                           routes=routes)))
+    assert s.routes.dtype == torch.int16 and torch.equal(s.routes, routes)
+    c = Completion(prompt_index=0, prompt_ids=[1, 5], completion_ids=[6, 7, 2, 3], finished=True,
+                   behavior_logprobs=[-0.5] * 4, routes=routes)
+    (back,) = decode_completions(encode_completions([c]))
+    assert torch.equal(back.routes, routes) and back.completion_ids == c.completion_ids

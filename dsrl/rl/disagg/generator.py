@@ -54,12 +54,14 @@ class GeneratorWorker:
         from dsrl.backends.deepspeed.engine import on_gpu
         from dsrl.rl.data.prompts import PromptSampler, PromptSource, load_prompts
         from dsrl.rl.policy.model import build_model, resolve_dtype
+        from dsrl.rl.policy.moe import check_moe_run
         from dsrl.rl.policy.tokenizer import load_tokenizer
         from dsrl.rollout import make_backend
 
         d = self.d = cfg.dsrl
         self.role = role
         gpu = on_gpu()
+        check_moe_run(cfg, gpu)  # the trainer ranks refuse the same run file with the same sentence
         self.tokenizer = tok = load_tokenizer(d.model)
         records = load_prompts(d.data, seed=d.run.seed)
         sampler = PromptSampler(len(records), d.batch.prompts_per_rollout, seed=d.run.seed,

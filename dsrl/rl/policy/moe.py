@@ -34,12 +34,18 @@ from dsrl.rollout.routes import MoERouting
 
 ROUTABLE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # dsrl.rollout.routes hooks their routers
 # Rollout backends whose completions carry routes (rollout.backend -> why not, None = they do)
-ROUTES_UNSUPPORTED: dict[str, str | None] = {
-    HF_BACKEND: None,
-    CB_BACKEND: "continuous batching does not record routes yet",
-    AUTO_BACKEND: "auto may pick continuous batching, which does not record routes yet",
-    VLLM_BACKEND: "the vLLM backend does not return routes yet",
-}
+def routes_unsupported(backend: str, on_gpu: bool) -> str | None:
+    """Why ``rollout.backend`` cannot give a mixture-of-experts policy's completions their routes here (None: it
+    can): hf and cb record them from the routers (so auto too); vLLM where its build can
+    (:func:`dsrl.rollout.vllm.routes_unsupported`)."""
+    if backend in (HF_BACKEND, CB_BACKEND, AUTO_BACKEND):
+        return None
+    from dsrl.rollout.vllm import routes_unsupported as vllm_routes_unsupported
+
+    try:
+        return vllm_routes_unsupported(on_cpu=not on_gpu)
+    except ImportError as e:
+        return str(e)
 
 
 def model_config(model_cfg: Any) -> Any:
@@ -61,9 +67,9 @@ def policy_layout(model_cfg: Any) -> MoELayout | None:
     return config_layout(config) if config is not None else None
 
 
-def check_moe_run(cfg: Any) -> MoELayout | None:
-    """The MoE refusals of the module docstring for a run file (:class:`dsrl.config.Config`); returns the policy's
-    layout (None when dense)."""
+def check_moe_run(cfg: Any, on_gpu: bool | None = None) -> MoELayout | None:
+    """The MoE refusals of the module docstring for a run file (:class:`dsrl.config.Config`) on this machine's
+    accelerator (or ``on_gpu``); returns the policy's layout (None when dense)."""
     from dsrl.backends.deepspeed.autoep import expert_parallel_size
     from dsrl.backends.deepspeed.autotp import tensor_parallel_size
     from dsrl.backends.deepspeed.config import sequence_parallel_size
@@ -102,10 +108,12 @@ def check_moe_run(cfg: Any) -> MoELayout | None:
         raise ConfigError(f"{asked[0]} with {what}, a {model_type!r} mixture of experts: dsrl records and replays "
                           f"the routers of {', '.join(ROUTABLE_MODEL_TYPES)} only. Fix: {off}, or use one of "
                           "those architectures.")
-    if replay and (why := ROUTES_UNSUPPORTED.get(d.rollout.backend)) is not None:
+    if on_gpu is None:
+        on_gpu = torch.cuda.is_available()
+    if replay and (why := routes_unsupported(d.rollout.backend, on_gpu)) is not None:
         raise ConfigError(f"dsrl.model.routing_replay = 'rollout' with rollout.backend = {d.rollout.backend!r}: "
-                          f"{why}, so there would be no routes to replay. Fix: use rollout.backend = 'hf', or set "
-                          "routing_replay = 'off'.")
+                          f"{why}, so there would be no routes to replay. Fix: use rollout.backend = 'hf' or 'cb', "
+                          "or set routing_replay = 'off'.")
     if sequence_parallel_size(ds) > 1 or tensor_parallel_size(ds) > 1:
         raise ConfigError(f"{asked[0]} with Ulysses sequence parallelism or AutoTP: each rank would see a shard of "
                           "every position's tokens or of the router, which dsrl's routes do not describe. Fix: "
@@ -168,14 +176,38 @@ class PolicyRouting:
         return outs, log.calls()
 
     def check_sample_routes(self, routes: torch.Tensor, positions: int, where: str) -> None:
-        """A sample's routes must fit the policy (``[positions, layers, top_k]``, experts in range)."""
-        self.routing.check_routes(routes, f"the routes of {where}")
-        if routes.shape[0] != positions:
-            from dsrl.core.routes import RouteShapeError
+        """A sample's routes must fit the policy (``[positions, layers, top_k]``, experts in range), before any
+        forward uses them; the error names the setting and the fix."""
+        from dsrl.core.routes import RouteShapeError
 
+        fix = (" Fix: generate with the same dsrl.model settings as the trainer (generator ranks included), or set "
+               "dsrl.model.routing_replay = 'off'.")
+        try:
+            self.routing.check_routes(routes, f"the routes of {where}")
+        except RouteShapeError as e:
+            raise RouteShapeError(f"{e}.{fix}") from None
+        if routes.shape[0] != positions:
             raise RouteShapeError(f"the routes of {where} cover {routes.shape[0]} positions, but the sample has "
                                   f"{positions} input positions (tokens - 1): the rollout backend broke its contract "
-                                  "(dsrl.rollout.base)")
+                                  f"(dsrl.rollout.base).{fix}")
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint records of the MoE setup (compared on resume by :meth:`check_resumed`)."""
+        lay = self.layout
+        return {"layers": lay.layers, "experts": lay.experts, "top_k": lay.top_k,
+                "routing_replay": "rollout" if self.replay else "off"}
+
+    def check_resumed(self, saved: dict[str, Any] | None, where: str) -> None:
+        """A checkpoint written with another routing layout cannot be resumed with this policy's routes."""
+        if not saved:
+            return
+        now = self.checkpoint_state()
+        if any(saved.get(k) != now[k] for k in ("layers", "experts", "top_k")):
+            raise ConfigError(f"{where} was written by a mixture-of-experts policy routing {saved.get('layers')} "
+                              f"layers x {saved.get('experts')} experts, top-{saved.get('top_k')}, but this run's "
+                              f"model routes {now['layers']} x {now['experts']}, top-{now['top_k']}: its routes "
+                              "would not fit. Fix: resume with the dsrl.model settings the checkpoint was trained "
+                              "with, or start a new run (--dsrl.run.output_dir).")
 
     def compare(self, rollout: torch.Tensor | None, own: torch.Tensor, mismatch: RouteMismatch) -> None:
         """Add one sample's (rollout routes, trainer's own routes) comparison to ``mismatch``."""
