@@ -135,7 +135,7 @@ def serve_biased_head(model: Any) -> None:
             stop_token_ids=list(self.eos), logprobs=0, detokenize=False, logit_bias=logit_bias)
 
     def sync_weights(self: Any) -> None:
-        with torch.no_grad(), dsrl_vllm.gathered_for_generation(self.module, self.ds_engine):
+        with torch.no_grad(), dsrl_vllm.gathered_for_generation(self.module, self.policy):
             weights = [(n, t.detach()) for n, t in self.module.state_dict().items() if n != "lm_head.bias"]
             with dsrl_vllm.preserved_process_state():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import field_validator, model_validator
 
 from dsrl.config.errors import ConfigError
-from dsrl.config.names import COLOCATED, DISAGGREGATED, HF_BACKEND, Placement, RolloutBackendName
+from dsrl.config.names import AUTO_BACKEND, COLOCATED, DISAGGREGATED, Placement, RolloutBackendName
 from dsrl.config.section import Section, setting
 
 
@@ -23,8 +23,9 @@ class RolloutConfig(Section):
     generator_ranks: int = setting(
         0, "disaggregated: how many ranks (the job's last ones) generate; 0 when colocated", "ranks", ge=0)
     backend: RolloutBackendName = setting(
-        HF_BACKEND, "generation backend: hf (transformers generate), cb (transformers continuous batching), auto "
-        "(hf or cb per call, docs/rollout.md), vllm")
+        AUTO_BACKEND, "generation backend: auto (per call cb or hf, whichever was measured faster there: cb with "
+        "packed attention on a GPU from 128 concurrent sequences, docs/rollout.md), hf (transformers generate), cb "
+        "(transformers continuous batching, one manager and its CUDA graphs kept for the run), vllm")
     cb_attention: Literal["auto", "model", "varlen"] = setting(
         "auto", "attention inside continuous batching (cb): model (the model's attn_implementation; sdpa/eager "
         "then attend through a dense mask), varlen (dsrl's packed attention: PyTorch's own flash kernel on a GPU "

@@ -138,9 +138,9 @@ class Critic:
         return cls(initialize(model, spec), spec.config.dsrl.critic.value_clip)
 
     def values(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """The rollout's values per micro-batch (``[b, t]`` on the CPU), before any update; every rank runs
+        """The rollout's values per micro-batch (``[b, t]``, on the device), before any update; every rank runs
         the same number of forwards."""
-        return self.rl.forward_no_grad(micro_batches, lambda model, micro: forward_values(model, micro).cpu())
+        return self.rl.forward_no_grad(micro_batches, forward_values)
 
     def loss_fn(self, model: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token clipped value loss and metrics (the new values, the returns, the clip indicator)."""

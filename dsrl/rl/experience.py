@@ -319,7 +319,7 @@ class ExperienceMaker:
 
         def fn(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
             logits = forward_logits(model, micro)
-            return token_logprobs(logits, micro["targets"], temp).float().cpu()
+            return token_logprobs(logits, micro["targets"], temp).float()  # stays on the device
 
         return fn
 
@@ -329,32 +329,25 @@ class ExperienceMaker:
         groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
         micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
         fn = self._logprob_fn()
-        if self.moe is None:
-            outs = self.policy.forward_no_grad(micros, fn)
-        else:
-            outs = self._moe_logprobs(groups, micros, fn)
-        for g, lp in zip(groups, outs):
-            for s, row, sl in zip(g, lp, completion_positions(g)):
-                s.old_logprobs = row[sl].tolist()
+        outs = self.policy.forward_no_grad(micros, fn) if self.moe is None else self._moe_logprobs(groups, micros, fn)
+        for s, values in zip(samples, completion_values(groups, outs)):
+            s.old_logprobs = values
         if self.critic is not None:
-            for g, values in zip(groups, self.critic.values(micros)):
-                for s, row, sl in zip(g, values, completion_positions(g)):
-                    s.values = row[sl].tolist()
+            for s, values in zip(samples, completion_values(groups, self.critic.values(micros))):
+                s.values = values
         if self.ref_model is None:
             return
         with torch.no_grad():
-            # A reference that runs through the policy's engine (LoRA: adapters disabled) pads its forwards itself.
+            # The reference (a frozen copy, or the policy with its LoRA adapters disabled) pads its forwards itself.
             if self.moe is not None and self.moe.replay:  # the rollout's routes in the reference's forwards too
                 fn = self.moe.forcing(fn, self.moe.ref_routing)
             try:
-                refs = (self.ref_model.forward_no_grad(micros, fn) if hasattr(self.ref_model, "forward_no_grad")
-                        else [fn(self.ref_model, micro) for micro in micros])
+                refs = self.ref_model.forward_no_grad(micros, fn)
             finally:
                 if self.moe is not None:
                     self.moe.release()
-            for g, lp in zip(groups, refs):
-                for s, row, sl in zip(g, lp, completion_positions(g)):
-                    s.ref_logprobs = row[sl].tolist()
+            for s, values in zip(samples, completion_values(groups, refs)):
+                s.ref_logprobs = values
         if self.d.algorithm.kl_in == "reward" and self.critic is None:  # with a critic: per token, in gae_advantages
             coef = self.d.algorithm.kl_coef
             for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)
@@ -381,6 +374,7 @@ class ExperienceMaker:
                 replayed = self.policy.forward_no_grad(micros, moe.forcing(fn))
             finally:
                 moe.release()
+        own_cpu, replayed_cpu = _on_host(own), _on_host(replayed) if replayed is not None else None
         mm = RouteMismatch()
         counted_here = is_source(self.view)
         for i, (g, mb) in enumerate(zip(groups, micros)):
@@ -390,7 +384,7 @@ class ExperienceMaker:
                 n = len(s.tokens) - 1
                 if counted_here:
                     moe.compare(s.routes, per_row[row, :n], mm)
-                    _add_abs_diff(mm, s, own[i][row, sl], replayed[i][row, sl] if replayed is not None else None)
+                    _add_abs_diff(mm, s, own_cpu[i][row, sl], replayed_cpu[i][row, sl] if replayed_cpu else None)
                 if not moe.keep_routes:
                     s.routes = None
                 elif s.routes is None:  # the load f counts the trainer's own routes
@@ -500,6 +494,29 @@ class ExperienceMaker:
             stats.add_staleness(samples, trainer_version=rollout_index)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds
+
+
+def completion_values(groups: list[list[Sample]], outs: list[torch.Tensor]) -> list[list[float]]:
+    """Each sample's completion positions of a pass's ``[b, t]`` outputs (one per micro-batch ``groups[i]``), as
+    lists, in sample order, with one device-to-host copy for the whole pass (ARCHITECTURE §4: a no-grad pass
+    synchronizes the device at most once, at its end)."""
+    pieces = [row[sl] for g, out in zip(groups, outs) for row, sl in zip(out, completion_positions(g))]
+    if not pieces:
+        return []
+    flat = torch.cat(pieces).cpu().tolist()
+    values, at = [], 0
+    for piece in pieces:
+        values.append(flat[at:at + len(piece)])
+        at += len(piece)
+    return values
+
+
+def _on_host(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A pass's outputs on the host with one device-to-host copy (ARCHITECTURE §4)."""
+    if not outs:
+        return []
+    flat = torch.cat([o.reshape(-1) for o in outs]).cpu()
+    return [part.view(o.shape) for part, o in zip(flat.split([o.numel() for o in outs]), outs)]
 
 
 def _add_abs_diff(mm: Any, s: Sample, own: torch.Tensor, replayed: torch.Tensor | None) -> None:

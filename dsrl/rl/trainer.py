@@ -40,7 +40,7 @@ import torch.distributed as dist
 from dsrl import algos
 from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
 from dsrl.backends.deepspeed.engine import RLEngine, ensure_distributed, initialize, on_gpu, prepare
-from dsrl.backends.deepspeed.frozen import frozen_engine
+from dsrl.backends.deepspeed.frozen import FrozenModel, frozen_engine
 from dsrl.checkpoint.commit import latest_complete_tag
 from dsrl.checkpoint.engines import load_engines, save_engines
 from dsrl.checkpoint.export import export_checkpoint, write_hf_meta
@@ -130,7 +130,7 @@ class Trainer:
         self.plan = self.rl.plan
         self.device = self.rl.device
         if self.ref_model is not None:
-            self.ref_model = frozen_engine(self.ref_model, self.rl, self.device)
+            self.ref_model = FrozenModel(frozen_engine(self.ref_model, self.rl, self.device), self.device)
         elif d.algorithm.kl_coef > 0:
             from dsrl.rl.policy.lora import AdaptersDisabled
 
@@ -160,7 +160,7 @@ class Trainer:
 
             self.backend = RemoteRolloutBackend(role, self.rl, d, self.plan, self.prompt_source, self.stop)
         else:
-            self.backend = make_backend(d.rollout, self.rl.engine, tok, **self._backend_kwargs())
+            self.backend = make_backend(d.rollout, self.rl, tok, **self._backend_kwargs())
         self.pad_id = tok.pad_token_id
         self.algo = algos.resolve_algorithm(d.algorithm)
         self.output_dir = d.run.output_dir
@@ -194,10 +194,14 @@ class Trainer:
             raise ConfigError(str(e)) from None
 
     def _backend_kwargs(self) -> dict[str, Any]:
-        """What a backend with its own engine (vllm) needs beyond the rollout settings."""
+        """What a backend needs beyond the rollout settings: a vLLM engine its sizes and seed; continuous
+        batching (``cb``, ``auto``) the run's largest call, so that one manager serves every rollout."""
         d = self.d
         if d.rollout.backend != VLLM_BACKEND:
-            return {}
+            from dsrl.rollout.cb import CallBounds
+
+            return {"bounds": CallBounds.of_run(self.plan.prompts_per_rank, self.plan.samples_per_prompt,
+                                                d.rollout.generation_batch_size, d.max_generation_tokens)}
         return {"max_model_len": d.max_generation_tokens,
                 "samples_per_prompt": self.plan.samples_per_prompt, "seed": d.run.seed}
 

@@ -21,11 +21,13 @@ from dsrl.rollout.base import Completion, RolloutBackend
 __all__ = ["Completion", "RolloutBackend", "make_backend"]
 
 
-def make_backend(rollout_cfg: Any, engine: Any, tokenizer: Any, **kwargs: Any) -> RolloutBackend:
+def make_backend(rollout_cfg: Any, engine: Any, tokenizer: Any, *, bounds: Any = None, **kwargs: Any) -> RolloutBackend:
     """The backend named by ``rollout.backend`` (:data:`dsrl.config.names.ROLLOUT_BACKENDS`, validated by the
     config): ``hf`` (transformers generate on the policy), ``cb`` (transformers continuous batching on the
     policy), ``auto`` (per call one of these two, see :mod:`dsrl.rollout.auto`) or ``vllm`` (a vLLM engine;
-    ``kwargs`` go to :class:`dsrl.rollout.vllm.VLLMRolloutBackend`)."""
+    ``kwargs`` go to :class:`dsrl.rollout.vllm.VLLMRolloutBackend`). ``bounds``
+    (:class:`dsrl.rollout.cb.CallBounds`, the run's largest call) lets ``cb`` and ``auto`` keep one
+    continuous-batching manager for the whole run."""
     name = rollout_cfg.backend
     if name == HF_BACKEND:
         from dsrl.rollout.hf import HFRolloutBackend
@@ -34,11 +36,11 @@ def make_backend(rollout_cfg: Any, engine: Any, tokenizer: Any, **kwargs: Any) -
     if name == CB_BACKEND:
         from dsrl.rollout.cb import ContinuousBatchingBackend
 
-        return ContinuousBatchingBackend(engine, tokenizer, rollout_cfg)
+        return ContinuousBatchingBackend(engine, tokenizer, rollout_cfg, bounds=bounds)
     if name == AUTO_BACKEND:
         from dsrl.rollout.auto import AutoRolloutBackend
 
-        return AutoRolloutBackend(engine, tokenizer, rollout_cfg)
+        return AutoRolloutBackend(engine, tokenizer, rollout_cfg, bounds=bounds)
     from dsrl.rollout.vllm import VLLMRolloutBackend
 
     return VLLMRolloutBackend(engine, tokenizer, rollout_cfg, **kwargs)

@@ -1,17 +1,22 @@
-"""``rollout.backend = "auto"``: per call, ``hf`` (static batches through ``generate``) or ``cb``
+"""``rollout.backend = "auto"`` (the default): per call, ``hf`` (static batches through ``generate``) or ``cb``
 (continuous batching), whichever measured faster for the attention, the device and the concurrency.
 
-The choice depends only on the model's attention implementation and size, the device and the call's
-concurrency C = min(prompts, ``generation_batch_size``) * G, never on timing, so a call's result stays
-a function of weights, prompts, settings and seed (resume regenerates the same completions). Both
-backends gather ZeRO-3 parameters exactly once per call, so ranks that choose differently (different
-prompt counts) still issue the same collectives.
+The choice depends only on the model's attention implementation and size, the device, the tensor-parallel layout
+and the call's concurrency C = min(prompts, ``generation_batch_size``) * G (with :class:`dsrl.rollout.cb.CallBounds`:
+the run's largest call, so every call of a run chooses alike), never on timing, so a call's result stays a function
+of weights, prompts, settings and seed (resume regenerates the same completions). Both backends gather ZeRO-3
+parameters exactly once per call, so ranks that choose differently still issue the same collectives.
 
-- Flash attention (GPU): ``cb``. Not measured here (no GPU was available). transformers then runs
-  continuous batching on varlen kernels (no padding, no dense mask) with CUDA graphs and asynchronous
-  batching; published serving figures put continuous batching several times above static batching
-  when output lengths vary (Anyscale, 2023, OPT-13B on an A100: 8x for iteration-level batching in
-  TGI / Ray Serve, 23x with vLLM's paged memory).
+- Under tensor parallelism (AutoTP): ``hf``, whose stopping criterion keeps tensor peers stepping together
+  (:class:`dsrl.rollout.policy.TensorPeersStop`).
+- Flash attention (GPU): ``cb``. transformers then runs continuous batching on varlen kernels (no padding, no
+  dense mask) with CUDA graphs and asynchronous batching.
+- sdpa / eager on an accelerator: ``cb`` when it runs under dsrl's packed attention (``rollout.cb_attention``
+  ``"auto"`` gives it in bf16/fp16 on a GPU whose PyTorch has the flash kernel) at C >= ``GPU_CB_MIN_CONCURRENCY``,
+  else ``hf``. Measured on one H200 (2026-11-26, Qwen2.5-0.5B shape, bf16, C = 128, 256 new tokens,
+  ``bench/rollout.py`` in ``bench/gpu.py``): ``generate`` 725 tokens/s, ``cb`` under the dense mask 975 (1.35x),
+  ``cb`` under the packed attention 9,927 (13.7x); earlier, one H100 at C = 64 under the dense mask: cb/hf 0.83.
+  Below C = 128 the packed attention has not been measured on a GPU, so ``hf`` stays there.
 - sdpa / eager on the CPU: ``cb``, except ``hf`` for a model under ``CPU_SMALL_MODEL_PARAMETERS`` at more
   than ``CPU_SMALL_MODEL_MAX_CB_CONCURRENCY`` concurrent sequences *when cb would attend through the dense
   mask* (``rollout.cb_attention = "model"``; its ``"auto"`` uses dsrl's packed attention there, measured
@@ -22,10 +27,6 @@ prompt counts) still issue the same collectives.
   C = 512 (table in docs/rollout.md): with a dense mask each step attends every query to every cached
   token of the step, a cost that grows with C squared and, on a model that small, outweighs the
   padding ``hf`` decodes.
-- sdpa / eager on an accelerator: ``hf``. Continuous batching under the dense mask was measured on one
-  H100 (Qwen2.5-0.5B shape, bf16, C = 64, ``bench/rollout.py --device cuda --shapes 0.5b``): cb/hf 0.83.
-  Under dsrl's packed attention (PyTorch's flash kernel, CUDA graphs) it has not been measured on a GPU,
-  so ``auto`` does not pick it there; ``rollout.backend = "cb"`` does (docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -36,25 +37,29 @@ import torch
 
 from dsrl.config.names import CB_BACKEND, HF_BACKEND
 from dsrl.rollout.base import Completion, RolloutBackend
-from dsrl.rollout.cb import ContinuousBatchingBackend, concurrency, is_flash, num_parameters
+from dsrl.rollout.cb import CallBounds, ContinuousBatchingBackend, concurrency, is_flash, num_parameters
 from dsrl.rollout.hf import HFRolloutBackend
 
 CPU_SMALL_MODEL_PARAMETERS = 1_000_000
 CPU_SMALL_MODEL_MAX_CB_CONCURRENCY = 256
+GPU_CB_MIN_CONCURRENCY = 128  # packed-attention cb measured 13.7x generate at C = 128 on an H200 (module docstring)
 
 
 def auto_backend_name(device_type: str, attn_implementation: str | None, parameters: int, concurrency: int,
-                      cb_attention: str | None = None) -> str:
+                      cb_attention: str | None = None, tensor_parallel: int = 1) -> str:
     """``"hf"`` or ``"cb"`` for a device type (``"cpu"``, ``"cuda"``, ...), the model's attention
-    implementation and parameter count, the call's concurrency C and the attention continuous batching
-    would run under (:func:`dsrl.rollout.cb.cb_attention_implementation`; default: the model's)."""
+    implementation and parameter count, the call's concurrency C, the attention continuous batching
+    would run under (:func:`dsrl.rollout.cb.cb_attention_implementation`; default: the model's) and the
+    tensor-parallel size (module docstring)."""
+    if tensor_parallel > 1:
+        return HF_BACKEND
     if is_flash(attn_implementation):
         return CB_BACKEND
+    packed = is_flash(cb_attention if cb_attention is not None else attn_implementation)
     if device_type == "cpu":
-        dense = not is_flash(cb_attention if cb_attention is not None else attn_implementation)
         small = parameters < CPU_SMALL_MODEL_PARAMETERS
-        return HF_BACKEND if dense and small and concurrency > CPU_SMALL_MODEL_MAX_CB_CONCURRENCY else CB_BACKEND
-    return HF_BACKEND
+        return HF_BACKEND if not packed and small and concurrency > CPU_SMALL_MODEL_MAX_CB_CONCURRENCY else CB_BACKEND
+    return CB_BACKEND if packed and concurrency >= GPU_CB_MIN_CONCURRENCY else HF_BACKEND
 
 
 class AutoRolloutBackend(RolloutBackend):
@@ -63,27 +68,38 @@ class AutoRolloutBackend(RolloutBackend):
     when continuous batching is unavailable (an older transformers, a policy that is not a transformers
     model)."""
 
-    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any):
+    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any, bounds: CallBounds | None = None):
         self.hf = HFRolloutBackend(engine_or_module, tokenizer, rollout_cfg)
         try:
             self.cb: ContinuousBatchingBackend | None = ContinuousBatchingBackend(engine_or_module, tokenizer,
-                                                                                  rollout_cfg)
+                                                                                  rollout_cfg, bounds=bounds)
         except (ImportError, TypeError):
             self.cb = None
-        self.cfg = rollout_cfg
+        self.cfg, self.bounds = rollout_cfg, bounds
         self.num_params = num_parameters(self.hf.module)
+        policy = self.hf.policy
+        self.tensor_parallel = policy.view.tensor_parallel_size if policy is not None else 1
 
     def choose(self, num_prompts: int, samples_per_prompt: int) -> RolloutBackend:
-        """The backend a call with this many prompts and samples per prompt uses."""
+        """The backend a call with this many prompts and samples per prompt uses (with bounds: the run's
+        largest call's, for every call)."""
         c = concurrency(num_prompts, samples_per_prompt, self.cfg.generation_batch_size)
+        if self.bounds is not None:
+            c = self.bounds.sequences
         device: torch.device = self.hf.device
         attn = getattr(getattr(self.hf.module, "config", None), "_attn_implementation", None)
         cb_attn = self.cb.attention(num_prompts, samples_per_prompt) if self.cb is not None else None
-        name = auto_backend_name(device.type, attn, self.num_params, c, cb_attn)
+        name = auto_backend_name(device.type, attn, self.num_params, c, cb_attn, self.tensor_parallel)
+        if self.hf.synced:  # DeepSpeed AutoEP: only hf runs its forwards in lockstep over the expert-parallel group
+            return self.hf
         return self.cb if name == CB_BACKEND and self.cb is not None else self.hf
 
     def returns_routes(self) -> bool:
         return self.hf.returns_routes()  # cb records them too, on the same policy
+
+    def close(self) -> None:
+        if self.cb is not None:
+            self.cb.close()
 
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, **kwargs: Any
                  ) -> list[Completion]:

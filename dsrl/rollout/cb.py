@@ -5,21 +5,26 @@ paged KV cache and packs the active ones into one forward per step, so a finishe
 slot at once instead of riding along as padding until the longest one of a static batch ends. Same
 contract as the ``hf`` backend (:mod:`dsrl.rollout.base`, :mod:`dsrl.rollout.hf`):
 
-- one call drives one manager through transformers' manager API, the steps ``generate_batch`` takes
+- calls drive one manager through transformers' manager API, the steps ``generate_batch`` takes
   (``init_continuous_batching`` -> ``warmup`` -> ``add_request`` ... -> ``start`` -> ``get_result`` ->
-  ``stop`` -> ``destroy``), with one difference that makes sampling reproducible: every request is
-  queued *before* the generation thread starts, so the first scheduling step sees all of them whatever
-  the thread timing (``generate_batch`` starts the thread first and then queues). The thread is joined
-  and the paged cache dropped before ``generate`` returns, on every path, so repeated calls leak
-  neither threads nor memory;
+  ``stop``), with one difference that makes sampling reproducible: every request is queued *before* the
+  generation thread starts, so the first scheduling step sees all of them whatever the thread timing
+  (``generate_batch`` starts the thread first and then queues). The thread is joined before ``generate``
+  returns, on every path. The manager is kept between calls with its paged cache and CUDA graphs
+  (:mod:`dsrl.rollout.cb_session`: one capture per shape for the whole run, replays see the weights the
+  optimizer updated in place; storage that moved, e.g. a ZeRO-3 gather, means a new manager) and the prefix
+  cache emptied at every call (no key/value computed under earlier weights is reused); with
+  :class:`CallBounds` (the trainer gives them) every call of a run has the same geometry. ``close()``
+  destroys it, and a call that fails drops it;
 - G samples of a prompt are G independent requests, each sampled on its own; completions come back
   grouped per prompt in prompt order, cut at the first eos (kept);
-- reproducible from ``seed``: the cache geometry is a function of the workload and the settings only
-  (:func:`cache_geometry`, never of free memory) and the sampler's generator is seeded with ``seed``
-  (transformers adds the data-parallel rank to its seed; the backend subtracts it so the result does
-  not depend on the rank). The batched sampler draws one multinomial over all sequences of a step, so
-  samples differ from the ``hf`` backend's for the same seed, while greedy decoding gives the same
-  tokens (up to floating-point ties; tested). The torch RNG is forked: the caller's stream is untouched;
+- reproducible from ``seed``: the cache geometry is a function of the workload (or the run's bounds) and the
+  settings only (:func:`cache_geometry`, never of free memory) and the sampler's generator is seeded with
+  ``seed`` at the start of every call, after any warm-up (transformers adds the data-parallel rank to its seed;
+  the backend subtracts it so the result does not depend on the rank), so a call on a kept manager samples
+  exactly as the first call of a resumed run on a new one. The batched sampler draws one multinomial over all
+  sequences of a step, so samples differ from the ``hf`` backend's for the same seed, while greedy decoding gives
+  the same tokens (up to floating-point ties; tested). The torch RNG is forked: the caller's stream is untouched;
 - sampling sees only ``dsrl.rollout`` (temperature, top_p, top_k, max_new_tokens): a neutral
   ``GenerationConfig``, and the call refuses to run if transformers would apply any other logits
   processor or drop one of these (continuous batching drops processors it cannot run);
@@ -30,19 +35,22 @@ contract as the ``hf`` backend (:mod:`dsrl.rollout.base`, :mod:`dsrl.rollout.hf`
   token from the routers in continuous batching's own packed forwards: a pre-forward hook notes which request
   each packed row belongs to (the batch's requests and query lengths, in row order) and its position
   (``position_ids``); prompt positions a request took from a shared cache page (prefix sharing) get the routes
-  of the request that computed that page (same prompt, same position). Asynchronous batching (GPU, CUDA
-  graphs) is refused for a routed call: rows could not be matched to requests;
+  of the request that computed that page (same prompt, same position). A manager that replays CUDA graphs (a GPU)
+  runs no Python forward, so no hook: a routed call is refused there, as is asynchronous batching (rows could not
+  be matched to requests);
 - ZeRO-3: exactly as ``hf`` (:func:`dsrl.rollout.policy.gathered_for_generation`): one parameter gather per
   call on every rank with DeepSpeed's hooks suspended, no copy of the weights, so nothing to sync. A
-  rank with no prompts still enters the gather and returns ``[]``.
+  rank with no prompts still enters the gather and returns ``[]``. Under every stage DeepSpeed's engine hooks
+  are out of the module for the call, so no decode step (in particular none inside a CUDA-graph capture)
+  synchronizes the device.
 
 Attention (``rollout.cb_attention``, :func:`cb_attention_implementation`): a flash implementation of the
 model is kept (transformers runs it on varlen kernels with CUDA graphs and asynchronous batching);
 otherwise either the model's own sdpa/eager, which transformers packs under a dense block-diagonal
 ``[batch tokens, cached tokens]`` mask whose size :func:`cache_geometry` bounds, or dsrl's packed
 attention (:mod:`dsrl.rollout.varlen_attention`: PyTorch's own flash kernel on a GPU), set on the config
-for the call only. The backend never lets transformers switch to a flash kernel by itself (one could be
-fetched at run time).
+while the backend generates (restored between calls). The backend never lets transformers switch to a flash
+kernel by itself (one could be fetched at run time).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ import torch
 
 from dsrl.core.routes import FREE, ROUTE_DTYPE
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos
+from dsrl.rollout.cb_session import Session, capture_hint, warmup_or_raise
 from dsrl.rollout.hf import HFRolloutBackend
 from dsrl.rollout.policy import gathered_for_generation, neutral_generation_config
 from dsrl.rollout.varlen_attention import VARLEN_ATTENTION, check_flash_kernel, uses_flash_kernel
@@ -192,15 +201,32 @@ def _collect_only_new_objects() -> Iterator[None]:
         gc.unfreeze()
 
 
+@dataclass(frozen=True)
+class CallBounds:
+    """The largest call a run makes (given by the trainer from its plan and settings): at most ``sequences``
+    sequences decoding at once (min(prompts per rank, ``generation_batch_size``) * G), and every sequence (prompt
+    and completion; every turn of a trajectory) at most ``sequence_tokens`` tokens. With bounds, every call of the
+    run has one cache geometry and one attention, so one manager (its paged cache and CUDA graphs) serves every
+    rollout and every turn; a call with more sequences queues them."""
+
+    sequences: int
+    sequence_tokens: int
+
+    @classmethod
+    def of_run(cls, prompts_per_rank: int, samples_per_prompt: int, generation_batch_size: int,
+               sequence_tokens: int) -> CallBounds:
+        return cls(concurrency(prompts_per_rank, samples_per_prompt, generation_batch_size), sequence_tokens)
+
+
 class ContinuousBatchingBackend(RolloutBackend):
-    """transformers continuous batching on the policy (an RLEngine, a DeepSpeedEngine or a plain module).
+    """transformers continuous batching on the policy (a :class:`dsrl.RLEngine` or a plain module).
 
     Same constructor arguments and contract as :class:`dsrl.rollout.hf.HFRolloutBackend` (whose
     unwrapping, eos/pad resolution and generation config it reuses); ``rollout.generation_batch_size``
     bounds the prompts whose samples decode at once (:func:`cache_geometry`).
     """
 
-    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any):
+    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any, bounds: CallBounds | None = None):
         try:
             import transformers
             from transformers import ContinuousBatchingConfig
@@ -211,8 +237,13 @@ class ContinuousBatchingBackend(RolloutBackend):
             raise ImportError(f"{INSTALL_HINT} (transformers {transformers.__version__}'s ContinuousBatchingConfig "
                               f"has no {', '.join(missing)})")
         self._hf = HFRolloutBackend(engine_or_module, tokenizer, rollout_cfg)
-        self.module, self.ds_engine, self.cfg, self.eos = self._hf.module, self._hf.ds_engine, rollout_cfg, self._hf.eos
+        self.module, self.policy, self.cfg, self.eos = self._hf.module, self._hf.policy, rollout_cfg, self._hf.eos
+        self.bounds = bounds
         self._num_params: int | None = None
+        self._session: Session | None = None
+        self._attn: str | None = self.module.config._attn_implementation if hasattr(self.module, "config") else None
+        self.calls = 0  # generate calls that ran requests
+        self.managers_built = 0  # of which started a new manager (a new cache, new CUDA graphs)
         if not hasattr(self.module, "init_continuous_batching"):
             raise TypeError(f"{type(self.module).__name__} is not a transformers model with continuous batching; "
                             "use rollout.backend = 'hf'")
@@ -222,28 +253,36 @@ class ContinuousBatchingBackend(RolloutBackend):
         return self.routing is not None
 
     def attention(self, num_prompts: int, samples_per_prompt: int) -> str | None:
-        """The attention implementation a call runs under (:func:`cb_attention_implementation`)."""
+        """The attention implementation a call runs under (:func:`cb_attention_implementation`), for the largest
+        call of the run when the backend has :class:`CallBounds` (so every call runs under the same one)."""
         if self._num_params is None:
             self._num_params = num_parameters(self.module)
+        c = concurrency(num_prompts, samples_per_prompt, self.cfg.generation_batch_size)
+        if self.bounds is not None:
+            c = self.bounds.sequences
+        model_attn = self._attn if self._session is not None else self.module.config._attn_implementation
         return cb_attention_implementation(
-            getattr(self.cfg, "cb_attention", "auto"), self.module.config._attn_implementation, self._hf.device,
-            next(self.module.parameters()).dtype, self._num_params,
-            concurrency(num_prompts, samples_per_prompt, self.cfg.generation_batch_size))
+            getattr(self.cfg, "cb_attention", "auto"), model_attn, self._hf.device,
+            next(self.module.parameters()).dtype, self._num_params, c)
 
     def continuous_batching_config(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
                                    attention: str | None = None) -> Any:
-        """transformers' ``ContinuousBatchingConfig`` of one call (geometry from :func:`cache_geometry`) run
-        under ``attention`` (default: :meth:`attention` of the call)."""
+        """transformers' ``ContinuousBatchingConfig`` of one call (geometry from :func:`cache_geometry`, of the
+        run's largest call when the backend has :class:`CallBounds`) run under ``attention`` (default:
+        :meth:`attention` of the call)."""
         from transformers import ContinuousBatchingConfig
 
         if attention is None:
             attention = self.attention(len(prompt_ids), samples_per_prompt)
         dense_mask = not is_flash(attention)
-        geometry = cache_geometry(
-            [len(p) for p in prompt_ids], samples_per_prompt, self.cfg.max_new_tokens,
-            self.cfg.generation_batch_size, dense_mask=dense_mask,
-            mask_itemsize=next(self.module.parameters()).element_size(),
-        )
+        itemsize = next(self.module.parameters()).element_size()
+        if self.bounds is None:
+            geometry = cache_geometry([len(p) for p in prompt_ids], samples_per_prompt, self.cfg.max_new_tokens,
+                                      self.cfg.generation_batch_size, dense_mask=dense_mask, mask_itemsize=itemsize)
+        else:  # the run's largest call, as that many single-sample requests: one geometry for every call
+            n, prompt = self.bounds.sequences, self.bounds.sequence_tokens - self.cfg.max_new_tokens
+            geometry = cache_geometry([prompt] * n, 1, self.cfg.max_new_tokens, n, dense_mask=dense_mask,
+                                      mask_itemsize=itemsize)
         return ContinuousBatchingConfig(
             **vars(geometry), return_logprobs=True, seed=seed % 2**63, scheduler_type="fifo",
             auto_switch_to_flash=False,  # the model's own attention, nothing fetched at run time
@@ -259,12 +298,13 @@ class ContinuousBatchingBackend(RolloutBackend):
         for i, p in enumerate(prompt_ids):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. bos)")
+        self._check_bounds(prompt_ids)
         device = self._hf.device
         rng_devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
         was_training = self.module.training
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
-            stack.enter_context(gathered_for_generation(self.module, self.ds_engine))
+            stack.enter_context(gathered_for_generation(self.module, self.policy))
             if not prompt_ids:  # the gather above is collective: entered even with nothing to generate
                 return []
             stack.enter_context(neutral_generation_config(self.module))
@@ -285,36 +325,96 @@ class ContinuousBatchingBackend(RolloutBackend):
                                       routes=routes.of(f"{i}/{j}", i, len(p) + len(tokens) - 1) if routes else None))
         return out
 
+    def close(self) -> None:
+        """Destroy the kept manager (its paged cache, CUDA graphs and memory pool)."""
+        self._drop_session()
+
+    def _check_bounds(self, prompt_ids: list[list[int]]) -> None:
+        if self.bounds is None:
+            return
+        longest = max((len(p) for p in prompt_ids), default=0) + self.cfg.max_new_tokens
+        if longest > self.bounds.sequence_tokens:
+            raise ValueError(f"a prompt of {longest - self.cfg.max_new_tokens} tokens plus rollout.max_new_tokens = "
+                             f"{self.cfg.max_new_tokens} exceeds the {self.bounds.sequence_tokens} tokens per sequence "
+                             "the continuous-batching cache was sized for (the run's longest sequence)")
+
+    def _session_for(self, prompt_ids: list[list[int]], g: int, seed: int) -> tuple[Session, bool]:
+        """The manager this call runs on, and whether it is new: the kept one when its geometry and attention are
+        this call's and (with CUDA graphs) every parameter still lives where its graphs read it; else a new one."""
+        attention = self.attention(len(prompt_ids), g)
+        cb_cfg = self.continuous_batching_config(prompt_ids, g, seed, attention=attention)
+        key = (attention, cb_cfg.page_size, cb_cfg.num_blocks, cb_cfg.max_batch_tokens, cb_cfg.max_requests_per_batch)
+        kept = self._session
+        if kept is not None and kept.key == key and not kept.weights_moved(self.module):
+            return kept, False
+        self._drop_session()
+        self._use_attention(attention)
+        gen_cfg = self._hf.generation_config(sampling_in_config=True)
+        manager = self.module.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+        session = Session(key, attention, manager, self._attn)
+        self._session = session  # dropped (destroyed) on any failure below
+        self._check_processors(manager)
+        # transformers seeds its sampler with seed + data-parallel rank when it builds the batch processor; dsrl
+        # reseeds every call (below), so the offset only needs to cancel here
+        manager.continuous_batching_config.seed = cb_cfg.seed - manager.distributed_helper.dp_rank
+        warmup_or_raise(manager)  # builds the cache and captures the CUDA graphs in this thread
+        session.remember_weights(self.module)
+        return session, True
+
+    def _use_attention(self, attention: str | None) -> None:
+        """Run the module under ``attention`` (dsrl's packed attention is set on the config, not through
+        set_attn_implementation: transformers would try to import flash-attn for a name containing "flash")."""
+        if attention == VARLEN_ATTENTION and self.module.config._attn_implementation != attention:
+            register_varlen_attention()
+            check_flash_kernel(self._hf.device, next(self.module.parameters()).dtype)
+            self.module.config._attn_implementation = attention
+
+    def _restore_attention(self) -> None:
+        if self.module.config._attn_implementation == VARLEN_ATTENTION != self._attn:
+            self.module.config._attn_implementation = self._attn
+        elif self.module.config._attn_implementation != self._attn:
+            self.module.set_attn_implementation(self._attn)
+
+    def _drop_session(self) -> None:
+        session, self._session = self._session, None
+        if session is None:
+            return
+        session.manager.batch_processor = None  # the paged cache, the batch buffers and the CUDA graphs
+        session.manager.destroy()
+        self._restore_attention()
+
     def _run(self, prompt_ids: list[list[int]], g: int, seed: int) -> tuple[dict[str, Any], _PackedRoutes | None]:
-        """Every request through one manager: request id ``"<prompt>/<sample>"`` -> GenerationOutput, and the routes
-        of its packed forwards (an MoE policy)."""
-        attn, run_attn = self.module.config._attn_implementation, self.attention(len(prompt_ids), g)
-        cb_cfg = self.continuous_batching_config(prompt_ids, g, seed, attention=run_attn)
+        """Every request through the kept manager (:meth:`_session_for`): request id ``"<prompt>/<sample>"`` ->
+        GenerationOutput, and (an MoE policy) the routes of the call's packed forwards. The manager stops after
+        the call with its cache and graphs kept for the next one."""
+        self._attn = self.module.config._attn_implementation
         pin = self.module.register_forward_pre_hook(_same_threads_hook(torch.get_num_threads()))
-        manager, started, done = None, False, False
-        routes, layout_hook = None, None
+        session, started, done = None, False, False
+        routes, layout_hook, recording = None, None, contextlib.nullcontext()
         try:
-            if run_attn == VARLEN_ATTENTION and attn != run_attn:
-                # set on the config, not through set_attn_implementation: transformers would try to import
-                # flash-attn (or fetch a kernel) for any name containing "flash"
-                register_varlen_attention()
-                check_flash_kernel(self._hf.device, next(self.module.parameters()).dtype)
-                self.module.config._attn_implementation = run_attn
-            gen_cfg = self._hf.generation_config(sampling_in_config=True)
-            manager = self.module.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
-            self._check_processors(manager)
-            # transformers seeds its sampler with seed + data-parallel rank: cancel the offset
-            manager.continuous_batching_config.seed = cb_cfg.seed - manager.distributed_helper.dp_rank
-            manager.warmup()  # builds the cache and seeds the sampler here, so a sizing error raises in this thread
-            recording = contextlib.nullcontext()
-            if self.routing is not None:  # after the warmup: its forwards belong to no request
-                routes = _PackedRoutes(manager)
-                layout_hook = self.module.register_forward_pre_hook(routes.note_layout, with_kwargs=True)
-                recording = self.routing.recording()
+            session, new = self._session_for(prompt_ids, g, seed)
+            manager = session.manager
+            if not new:
+                self._use_attention(session.attention)
+                manager.switch_to_cb_friendly_attn(self.module, auto_switch_to_flash=False)  # undone by stop()
+                # No prefix of this call may reuse keys and values computed under earlier weights.
+                manager.batch_processor.cache.reset()
+                manager.background_thread_status.clear()  # the last call's stop; start() would clear it after queueing
+            torch.manual_seed(seed % 2**63)  # this call's seed, after any warm-up (what transformers seeds at build)
+            self.calls += 1
+            self.managers_built += int(new)
             expected = [f"{i}/{j}" for i in range(len(prompt_ids)) for j in range(g)]
             for rid in expected:
                 manager.add_request(list(prompt_ids[int(rid.split("/")[0])]), request_id=rid,
                                     max_new_tokens=self.cfg.max_new_tokens, eos_token_id=list(self.eos))
+            if self.routing is not None:  # after any warm-up: its forwards belong to no request
+                if session.uses_graphs():
+                    raise RuntimeError("continuous batching replays CUDA graphs here, which run no Python forward, so "
+                                       "the routes of an MoE policy cannot be recorded. Fix: use rollout.backend = "
+                                       "'hf' for routing replay on this machine.")
+                routes = _PackedRoutes(manager)
+                layout_hook = self.module.register_forward_pre_hook(routes.note_layout, with_kwargs=True)
+                recording = self.routing.recording()
             with recording as log:
                 manager.start()
                 started = True
@@ -326,16 +426,14 @@ class ContinuousBatchingBackend(RolloutBackend):
         finally:
             if layout_hook is not None:
                 layout_hook.remove()
-            if started:  # joins the thread; after an error without finishing the other requests
-                manager.stop(block=True, hard_stop=not done)
-            if manager is not None:
-                manager.batch_processor = None  # the paged cache and the batch buffers
-                manager.destroy()
+            if started:  # joins the thread; keeps the batch processor (cache, graphs) unless something failed
+                session.manager.stop(block=True, hard_stop=not done, keep_for_next_session=done)
+                if hasattr(self.module, "_cached_continuous_batching_manager"):
+                    del self.module._cached_continuous_batching_manager  # dsrl keeps it, not the model
+            if not done:
+                self._drop_session()
             pin.remove()
-            if self.module.config._attn_implementation == VARLEN_ATTENTION != attn:
-                self.module.config._attn_implementation = attn
-            elif self.module.config._attn_implementation != attn:
-                self.module.set_attn_implementation(attn)
+            self._restore_attention()
 
     def _collect(self, manager: Any, expected: list[str]) -> dict[str, Any]:
         """Every expected request's finished output from the running generation thread."""
@@ -352,11 +450,12 @@ class ContinuousBatchingBackend(RolloutBackend):
             elif not manager.is_running():
                 fatal = manager.background_thread_status.fatal_error
                 raise RuntimeError(f"continuous batching stopped after {len(results)} of {len(expected)} "
-                                   f"requests: {fatal!r}") from fatal
+                                   f"requests: {fatal!r}{capture_hint(fatal)}") from fatal
         failed = {k: r.error for k, r in results.items() if r.error is not None}
         if failed:
             rid, error = next(iter(failed.items()))
-            raise RuntimeError(f"continuous batching failed {len(failed)} requests, e.g. {rid}: {error}")
+            raise RuntimeError(f"continuous batching failed {len(failed)} requests, e.g. {rid}: {error}"
+                               f"{capture_hint(error)}")
         return results
 
     def _check_processors(self, manager: Any) -> None:

@@ -16,7 +16,8 @@ Invariants:
   parameters and gather them again (one all-gather per layer per token), and the top-level
   pre-forward hook runs cross-rank trace checks, so ranks generating different numbers of tokens
   would hang. Hence every data-parallel rank must call ``generate`` the same number of times (one
-  gather each); prompt counts and lengths may differ.
+  gather each); prompt counts and lengths may differ. Under every stage DeepSpeed's engine hooks are out of the
+  module for the call (:func:`dsrl.rollout.policy.gathered_for_generation`): no decode step synchronizes the device.
 - under AutoTP (``tensor_parallel.autotp_size > 1``) every forward all-reduces over the tensor
   group, so tensor peers must run exactly the same steps: they get the same prompts and seed (one
   replica), and a stopping criterion (:class:`TensorPeersStop`) ORs the per-row end-of-sequence
@@ -57,7 +58,7 @@ from dsrl.rollout.routes import MoERouting, generation_routes
 
 
 class HFRolloutBackend(RolloutBackend):
-    """``transformers`` generate on the policy (an RLEngine, a DeepSpeedEngine or a plain module).
+    """``transformers`` generate on the policy (a :class:`dsrl.RLEngine` or a plain module).
 
     ``tokenizer`` only needs ``eos_token_id`` (an int or a list) and ``pad_token_id`` (None = the
     first eos id). ``rollout_cfg`` is a :class:`dsrl.config.RolloutConfig`; ``temperature <= 0``
@@ -65,12 +66,12 @@ class HFRolloutBackend(RolloutBackend):
     """
 
     def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any):
-        self.module, self.ds_engine = unwrap(engine_or_module)
+        self.module, self.policy = unwrap(engine_or_module)
         self.cfg = rollout_cfg
         self.eos = stop_token_ids(tokenizer, self.module, rollout_cfg)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos[0]
-        self.tp_group = tensor_parallel_group(self.ds_engine)
+        self.tp_group = tensor_parallel_group(self.policy)
         self.routing = MoERouting.of(self.module)  # None for a dense policy
         # AutoEP: every forward is a collective of the expert-parallel group (module docstring)
         self.synced = self.routing is not None and self.routing.expert_parallel_size > 1
@@ -80,8 +81,8 @@ class HFRolloutBackend(RolloutBackend):
 
     @property
     def device(self) -> torch.device:
-        if self.ds_engine is not None:
-            return torch.device(self.ds_engine.device)
+        if self.policy is not None:
+            return torch.device(self.policy.device)
         return next(self.module.parameters()).device
 
     def generation_config(self, sampling_in_config: bool = False) -> Any:
@@ -144,7 +145,7 @@ class HFRolloutBackend(RolloutBackend):
         out: list[Completion] = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
-            stack.enter_context(gathered_for_generation(self.module, self.ds_engine))
+            stack.enter_context(gathered_for_generation(self.module, self.policy))
             stack.enter_context(neutral_generation_config(self.module))
             stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
             self.module.eval()

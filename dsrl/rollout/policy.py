@@ -1,11 +1,14 @@
-"""The policy as generation backends see it: unwrapped, its ZeRO-3 parameters gathered once per call,
-its tensor peers kept in step, and its own generation settings hidden.
+"""The policy as generation backends see it: unwrapped, its parameters whole for the call, outside its training
+wrapper's hooks, its tensor peers kept in step, and its own generation settings hidden.
 
 Shared by every backend that generates with (or copies weights from) the trainer's policy: ``hf``,
 ``cb`` and ``vllm``'s weight sync. Invariants:
-- :func:`gathered_for_generation` holds the full parameters on this rank for its block with no
-  collective inside it (ZeRO-3: one all-gather on entry, one re-partition on exit, DeepSpeed's module
-  hooks suspended), so every data-parallel rank must enter it the same number of times;
+- a backend is given a plain module or a wrapped policy (:class:`dsrl.core.forwards.PolicyForwards`: the
+  :class:`dsrl.RLEngine`); :func:`gathered_for_generation` enters the wrapper's generation scope, which holds the
+  full parameters on this rank for its block with no collective and no wrapper hook inside it (ZeRO-3: one
+  all-gather on entry, one release on exit; DeepSpeed's engine hooks are out of the module under every stage, so
+  no forward of a generation synchronizes the device), so every data-parallel rank must enter it the same number
+  of times;
 - :func:`neutral_generation_config` hides the model's own ``generation_config`` so only dsrl's rollout
   settings shape the sampling;
 - :class:`TensorPeersStop` ends a row on every AutoTP peer at the same step;
@@ -23,18 +26,22 @@ from typing import Any
 
 import torch
 
+from dsrl.core.forwards import PolicyForwards
 
-def unwrap(engine_or_module: Any) -> tuple[torch.nn.Module, Any]:
-    """(the torch module, the DeepSpeedEngine or None) for an RLEngine, a DeepSpeedEngine or a module; a PEFT
-    model is replaced by the transformers model it wraps (its layers hold the adapters)."""
-    inner = getattr(engine_or_module, "engine", None)
-    if inner is not None and hasattr(inner, "zero_optimization_stage"):  # dsrl.RLEngine
-        engine_or_module = inner
-    if hasattr(engine_or_module, "zero_optimization_stage"):
-        return peft_inner(engine_or_module.module), engine_or_module
-    if isinstance(engine_or_module, torch.nn.Module):
-        return peft_inner(engine_or_module), None
-    raise TypeError(f"expected a dsrl.RLEngine, a DeepSpeedEngine or a torch module, got {type(engine_or_module)}")
+
+def unwrap(policy_or_module: Any) -> tuple[torch.nn.Module, PolicyForwards | None]:
+    """(the torch module, the wrapped policy or None) for a wrapped policy (:class:`dsrl.core.forwards.PolicyForwards`,
+    e.g. a :class:`dsrl.RLEngine`) or a plain module; a PEFT model is replaced by the transformers model it wraps (its
+    layers hold the adapters)."""
+    if isinstance(policy_or_module, PolicyForwards):
+        return peft_inner(policy_or_module.module), policy_or_module
+    if hasattr(policy_or_module, "zero_optimization_stage"):
+        raise TypeError("a rollout backend takes the dsrl.RLEngine (what dsrl.initialize returns), not the "
+                        "DeepSpeedEngine inside it: generation must run outside the engine's hooks (RLEngine."
+                        "generation_scope). Fix: pass the RLEngine, or a plain torch module.")
+    if isinstance(policy_or_module, torch.nn.Module):
+        return peft_inner(policy_or_module), None
+    raise TypeError(f"expected a dsrl.RLEngine or a torch module, got {type(policy_or_module)}")
 
 
 def peft_inner(module: torch.nn.Module) -> torch.nn.Module:
@@ -104,73 +111,23 @@ def generation_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
     return list(out.items())
 
 
-def _zero3_offload(ds_engine: Any) -> Any:
-    """The DeepSpeedZeRoOffload object that owns the ZeRO-3 module hooks."""
-    opt = getattr(ds_engine, "optimizer", None)
-    offload = getattr(opt, "parameter_offload", opt)
-    if offload is None or not hasattr(offload, "forward_hooks"):
-        raise RuntimeError(
-            "ZeRO-3 engine without a parameter-offload object holding its module hooks; this DeepSpeed "
-            "version is not supported by the hf rollout backend"
-        )
-    return offload
-
-
 @contextlib.contextmanager
-def suspended_zero3_hooks(offload: Any) -> Iterator[None]:
-    """Take DeepSpeed's ZeRO-3 forward/backward module hooks out of their modules for the block.
-
-    The hooks are removed from the modules' hook dicts and put back in their original order (hooks
-    registered by others keep their places), so the same hook handles stay valid afterwards.
-    """
-    handles = [*offload.forward_hooks, *offload.backward_hooks]
-    if getattr(offload, "fwd_pre_hook", None) is not None:
-        handles.append(offload.fwd_pre_hook)
-    ds_ids = {h.id for h in handles}
-    saved: dict[int, tuple[dict, list[tuple[int, Any]]]] = {}
-    for h in handles:
-        d = h.hooks_dict_ref()
-        if d is None:
-            continue
-        if id(d) not in saved:
-            saved[id(d)] = (d, list(d.items()))
-        d.pop(h.id, None)
-    try:
-        yield
-    finally:
-        for d, items in saved.values():
-            current = dict(d)
-            restored = [(k, v) for k, v in items if k in ds_ids or k in current]
-            added = [(k, v) for k, v in current.items() if k not in dict(items)]
-            d.clear()
-            d.update(restored + added)
-
-
-@contextlib.contextmanager
-def gathered_for_generation(module: torch.nn.Module, ds_engine: Any) -> Iterator[None]:
-    """Full parameters on this rank for the block, with no collective inside it.
-
-    ZeRO-3: one all-gather of every parameter on entry and one re-partition on exit (collectives:
-    every rank of the data-parallel group must enter the same number of times); the ZeRO-3 hooks are
-    suspended inside. Other stages and plain modules: nothing to do.
-    """
-    if ds_engine is None or ds_engine.zero_optimization_stage() != 3:
+def gathered_for_generation(module: torch.nn.Module, policy: PolicyForwards | None) -> Iterator[None]:
+    """Full parameters of ``module`` on this rank for the block, with no collective and no wrapper hook inside it:
+    the wrapped policy's :meth:`~dsrl.core.forwards.PolicyForwards.generation_scope` (collective on entry and exit
+    under ZeRO-3: every data-parallel rank must enter the same number of times); nothing to do for a plain module."""
+    if policy is None:
         yield
         return
-    import deepspeed
-
-    offload = _zero3_offload(ds_engine)
-    with deepspeed.zero.GatheredParameters(list(module.parameters())), suspended_zero3_hooks(offload):
+    with policy.generation_scope():
         yield
 
 
-def tensor_parallel_group(ds_engine: Any) -> Any:
-    """The AutoTP tensor group of a DeepSpeedEngine (None without AutoTP, or for a plain module)."""
-    if ds_engine is None or not hasattr(ds_engine, "autotp_size") or (ds_engine.autotp_size() or 1) <= 1:
+def tensor_parallel_group(policy: PolicyForwards | None) -> Any:
+    """The tensor-parallel group of a wrapped policy (None without tensor parallelism, or for a plain module)."""
+    if policy is None or policy.view.tensor_parallel_size <= 1:
         return None
-    from deepspeed.utils import groups
-
-    return groups.get_tensor_model_parallel_group()
+    return policy.view.tensor_parallel_group
 
 
 class TensorPeersStop:

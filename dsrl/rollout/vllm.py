@@ -174,7 +174,7 @@ class VLLMRolloutBackend(RolloutBackend):
         import torch.distributed as dist
 
         self._vllm = vllm
-        self.module, self.ds_engine = unwrap(engine_or_module)
+        self.module, self.policy = unwrap(engine_or_module)
         self.cfg = rollout_cfg
         self.samples_per_prompt = samples_per_prompt
         self.eos = stop_token_ids(tokenizer, self.module, rollout_cfg)
@@ -291,7 +291,7 @@ class VLLMRolloutBackend(RolloutBackend):
     def sync_weights(self) -> None:
         """Reload the policy's current weights into vLLM in place (a collective under ZeRO-3: call on every rank)
         and drop the prefix cache."""
-        with torch.no_grad(), gathered_for_generation(self.module, self.ds_engine):
+        with torch.no_grad(), gathered_for_generation(self.module, self.policy):
             weights = generation_weights(self.module)  # LoRA: the merged weights, computed beside the trained ones
             with preserved_process_state():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

@@ -267,7 +267,8 @@ def test_the_kl_penalty_in_the_reward_sums_model_tokens_only():
                                     algorithm=types.SimpleNamespace(kl_in="reward", kl_coef=0.5))
     maker.policy = types.SimpleNamespace(device="cpu",
                                          forward_no_grad=lambda micros, fn: [fn(policy_model, m) for m in micros])
-    maker.pad_id, maker.critic, maker.ref_model = 0, None, ref_model
+    maker.pad_id, maker.critic = 0, None
+    maker.ref_model = types.SimpleNamespace(forward_no_grad=lambda micros, fn: [fn(ref_model, m) for m in micros])
     maker._logprob_fn = lambda: logprob_fn
     maker.score_logprobs([s])
     assert s.reward == pytest.approx(1.0 - 0.5 * 3 * 0.5)  # k1 = 0.5 on each of the 3 model tokens, none elsewhere

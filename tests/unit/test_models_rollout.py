@@ -124,7 +124,10 @@ def test_left_padded_generation_matches_unpadded_logprobs(arch):
 
 def test_make_backend_and_vllm_import_error(monkeypatch):
     model = tiny()
-    assert isinstance(make_backend(RolloutConfig(), model, TOK), HFRolloutBackend)
+    from dsrl.rollout.auto import AutoRolloutBackend
+
+    assert isinstance(make_backend(RolloutConfig(), model, TOK), AutoRolloutBackend)  # the default
+    assert isinstance(make_backend(RolloutConfig(backend="hf"), model, TOK), HFRolloutBackend)
     with pytest.raises(ConfigError, match=r"dsrl.rollout.backend = 'sglang' is not one of 'hf', 'cb', 'auto', 'vllm'"):
         RolloutConfig(backend="sglang")  # backend names are declared once (config.names) and checked by the config
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, installed or not

@@ -215,8 +215,6 @@ def _run_file(tmp_path, **model) -> str:
      "Ulysses sequence parallelism or AutoTP"),
     ({"arch": "qwen3_moe"}, {"backend": "cb"}, {"expert_parallel": {"enabled": True, "autoep_size": 2}},
      r"rollout.backend = 'cb' with expert_parallel.autoep_size = 2"),
-    ({"arch": "qwen3_moe"}, {"backend": "auto"}, {"expert_parallel": {"enabled": True, "autoep_size": 2}},
-     r"rollout.backend = 'auto' with expert_parallel.autoep_size = 2"),
 ])
 def test_moe_refusals_before_any_work(tmp_path, model, rollout, ds, match):
     from dsrl.rl.policy.moe import check_moe_run

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# Scripts that run as ranks of a gloo job (the DeepSpeed launcher's children); megatron_common/megatron_cp are
-# modules. The spawned bench ranks end through bench/_common.end_rank.
+# Scripts that run as ranks of a gloo job (the DeepSpeed launcher's children); megatron_common/megatron_cp and
+# device_traffic are modules. The spawned bench ranks end through bench/_common.end_rank.
 ENTRY_POINTS = ["launch/train.py", "launch/train_megatron.py", "dsrl/check.py", "dsrl/cli/check.py",
                 *sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "workers").glob("*.py")
-                        if p.name not in ("megatron_common.py", "megatron_cp.py")),
+                        if p.name not in ("megatron_common.py", "megatron_cp.py", "device_traffic.py")),
                 "bench/overhead.py", "bench/throughput.py", "bench/checkpoint_costs.py", "bench/megatron_cp_gpu.py"]
 
 

@@ -20,6 +20,7 @@ from dsrl.rollout import make_backend
 from dsrl.rollout.auto import (
     CPU_SMALL_MODEL_MAX_CB_CONCURRENCY,
     CPU_SMALL_MODEL_PARAMETERS,
+    GPU_CB_MIN_CONCURRENCY,
     AutoRolloutBackend,
     auto_backend_name,
 )
@@ -146,8 +147,13 @@ def test_reproducible_rng_untouched_state_restored_nothing_leaked():
         assert as_tuples(be.generate(PROMPTS, 3, seed=7)) == as_tuples(first)
     assert not model.training
     assert threading.active_count() == threads and len(model._forward_pre_hooks) == hooks
+    kept = lambda: [o for o in gc.get_objects() if isinstance(o, (ContinuousBatchProcessor, PagedAttentionCache))]  # noqa: E731
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, (ContinuousBatchProcessor, PagedAttentionCache))]
+    assert len(kept()) == 2 and (be.calls, be.managers_built) == (8, 1)  # one manager served every call
+    assert not hasattr(model, "_cached_continuous_batching_manager")  # kept by the backend, not on the model
+    be.close()  # its cache and batch processor go with it
+    gc.collect()
+    assert not kept()
     assert be.generate([], 3, seed=0) == []
     with pytest.raises(ValueError, match="empty"):
         be.generate([[]], 1, seed=0)
@@ -202,10 +208,15 @@ def test_make_backend_cb_and_auto():
     assert auto_backend_name("cpu", "sdpa", small, limit) == "cb"
     assert auto_backend_name("cpu", "eager", small, limit + 1) == "hf"
     assert auto_backend_name("cpu", "eager", small, limit + 1, cb_attention=VARLEN_ATTENTION) == "cb"
-    assert auto_backend_name("cuda", "sdpa", big, 512, cb_attention=VARLEN_ATTENTION) == "hf"  # not measured
+    gpu_c = GPU_CB_MIN_CONCURRENCY  # packed attention on a GPU from C = 128 (H200: 13.7x generate there)
+    assert auto_backend_name("cuda", "sdpa", big, gpu_c, cb_attention=VARLEN_ATTENTION) == "cb"
+    assert auto_backend_name("cuda", "sdpa", big, gpu_c - 1, cb_attention=VARLEN_ATTENTION) == "hf"  # not measured
+    assert auto_backend_name("cuda", "sdpa", big, 512) == "hf"  # the dense mask on a GPU: measured slower
     assert auto_backend_name("cpu", "sdpa", big, 4096) == "cb"
     assert auto_backend_name("cuda", "flash_attention_2", small, 4096) == "cb"
     assert auto_backend_name("cuda", "sdpa", big, 8) == "hf"
+    assert auto_backend_name("cpu", "sdpa", big, 64, tensor_parallel=2) == "hf"  # tensor peers step together
+    assert auto_backend_name("cuda", "flash_attention_2", big, 4096, tensor_parallel=2) == "hf"
     assert as_tuples(auto.generate(PROMPTS, 2, seed=3)) == as_tuples(
         ContinuousBatchingBackend(model, TOK, cfg).generate(PROMPTS, 2, seed=3))
     not_hf = AutoRolloutBackend(torch.nn.Linear(2, 2), TOK, cfg)  # no continuous batching: always hf
@@ -244,3 +255,38 @@ def test_a_transformers_without_the_config_cb_sets_is_refused_by_name(monkeypatc
         ContinuousBatchingBackend(model, TOK, rollout())
     auto = make_backend(rollout(backend="auto"), model, TOK)
     assert auto.cb is None and auto.choose(len(PROMPTS), 2) is auto.hf
+
+
+@pytest.mark.parametrize("planted", [None, "no_prefix_reset"])
+def test_a_kept_manager_sees_every_optimizer_step(planted, monkeypatch):
+    """One manager (paged cache, batch processor; on a GPU its CUDA graphs) serves every call of a run: greedy
+    completions equal ``generate``'s after each of several optimizer steps, with prompts longer than a cache page,
+    so a prefix cached under earlier weights would be reused if the kept cache were not emptied at each call (the
+    planted case keeps it and must fail). With :class:`CallBounds` every call has one geometry, whatever its
+    number of prompts or their lengths."""
+    from dsrl.rollout.cb import CallBounds
+
+    model = tiny("qwen2", tiny={"tie_word_embeddings": False})
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= 4.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    long_prompts = [[BOS] + [3 + (7 * i + j) % 29 for j in range(40 + 3 * i)] for i in range(3)]
+    cfg = rollout(temperature=0.0, max_new_tokens=6, generation_batch_size=4, cb_attention="model")
+    cb = ContinuousBatchingBackend(model, TOK, cfg, bounds=CallBounds(sequences=8, sequence_tokens=64))
+    hf = HFRolloutBackend(model, TOK, cfg)
+    if planted == "no_prefix_reset":
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+        monkeypatch.setattr(PagedAttentionCache, "reset", lambda self: self.free_all_requests())
+    differs = []
+    for step in range(4):
+        prompts = long_prompts[: 1 + step % 3]
+        differs.append(as_tuples(cb.generate(prompts, 2, seed=step)) != as_tuples(hf.generate(prompts, 2, seed=0)))
+        batch = torch.tensor([long_prompts[step % 3]])  # an optimizer step that changes every next greedy token
+        loss = -torch.log_softmax(model(input_ids=batch).logits[0, -1], -1)[(step * 5) % 32]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    cb.close()
+    assert (cb.calls, cb.managers_built) == (4, 1)
+    assert any(differs) if planted else not any(differs), differs

@@ -123,8 +123,8 @@ def run_stage(stage: int) -> dict[str, Any]:
     report["base_unchanged"] = all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
     report["adapters_moved"] = sum(not torch.equal(before[n], after[n]) for n in trainable)
 
-    module, ds_engine = unwrap(rl)
-    with torch.no_grad(), gathered_for_generation(module, ds_engine):
+    module, policy = unwrap(rl)
+    with torch.no_grad(), gathered_for_generation(module, policy):
         merged = generation_weights(module)
     names = [n for n, _ in merged]
     plain = build_model(ModelConfig(arch="qwen2"), VOCAB, PAD, BOS, EOS, on_gpu=False, seed=0)

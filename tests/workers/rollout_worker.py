@@ -93,9 +93,9 @@ def main() -> None:
     from dsrl.rollout.hf import HFRolloutBackend
 
     if args.keep_zero3_hooks:
-        import dsrl.rollout.policy as hf_mod
+        import dsrl.backends.deepspeed.hooks as hf_mod
 
-        hf_mod.suspended_zero3_hooks = lambda offload: contextlib.nullcontext()
+        hf_mod.suspended_zero3_hooks = lambda engine: contextlib.nullcontext()
     ensure_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(ModelConfig(arch=args.arch), VOCAB, PAD, BOS, EOS, on_gpu=False, seed=3)
@@ -125,14 +125,14 @@ def main() -> None:
         # Before any training step (the first rollout of a run), identical work on every rank (same prompt,
         # seed, weights and length limit), so leaving the hooks on cannot hang here: it shows how many
         # collectives they add.
-        import dsrl.rollout.policy as hf_mod
+        import dsrl.backends.deepspeed.hooks as hf_mod
 
         probe = {}
         same = HFRolloutBackend(engine, tok, RolloutConfig(max_new_tokens=12))
         for label, keep in (("suspended", False), ("hooks_on", True)):
             saved = hf_mod.suspended_zero3_hooks
             if keep:
-                hf_mod.suspended_zero3_hooks = lambda offload: contextlib.nullcontext()
+                hf_mod.suspended_zero3_hooks = lambda engine: contextlib.nullcontext()
             try:
                 before = counter.calls
                 with counter.counting():

@@ -1,7 +1,9 @@
 """The ds_config DeepSpeed is allowed to see, derived from the run file and the batch plan.
 
 Invariants (architecture §7): the result never contains the ``"dsrl"`` or ``"scheduler"`` sections
-or any ``"auto"``; it always sets ``gradient_clipping`` explicitly (a finite number >= 0), runs with
+or any ``"auto"``; it always sets ``gradient_clipping`` explicitly (a finite number >= 0), turns DeepSpeed's
+throughput timer off unless the user turned it on (it synchronizes the device on every forward of the
+engine's module once two steps have run; a warning says so when it is on), runs with
 ``managed_gradient_accumulation: false`` and ``gradient_accumulation_steps: 1``, accumulates and
 communicates gradients in fp32 under bf16/fp16 unless the user chose otherwise, and rejects what
 DeepSpeed accepts but dsrl cannot run (the pipeline engine) or would run wrong (a user-managed
@@ -12,6 +14,7 @@ the result (:mod:`dsrl.backends.deepspeed.validation`), not by rules copied here
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from typing import Any
@@ -39,6 +42,29 @@ def _resolve_enabled(section: dict[str, Any] | None, default: bool) -> bool:
         return False
     value = section.get("enabled", False)
     return default if value == "auto" else bool(value)
+
+
+THROUGHPUT_TIMER_WARNING = (
+    "ds_config timers.throughput.enabled = true: DeepSpeed's throughput timer synchronizes the device on every "
+    "forward of the engine's module once two optimizer steps have run, which stalls the GPU's run-ahead in training "
+    "forwards (dsrl runs generation and no-grad passes outside the engine's hooks). Remove the key (dsrl turns the "
+    "timer off) unless you need DeepSpeed's samples/s lines.")
+
+
+def _throughput_timer(ds: dict[str, Any]) -> None:
+    """DeepSpeed's throughput timer off unless the user asked for it (then a warning, from rank 0)."""
+    timers = ds.setdefault("timers", {})
+    if not isinstance(timers, dict):
+        raise ConfigError(f"ds_config timers = {timers!r} must be a section (an object), e.g. "
+                          '{"throughput": {"enabled": false}}. Fix: write it as an object or remove it.')
+    throughput = timers.setdefault("throughput", {})
+    if not isinstance(throughput, dict):
+        raise ConfigError(f"ds_config timers.throughput = {throughput!r} must be a section (an object), e.g. "
+                          '{"enabled": false}. Fix: write it as an object or remove it.')
+    if throughput.get("enabled", "auto") in ("auto", None, False):
+        throughput["enabled"] = False
+    elif os.environ.get("RANK", "0") == "0":
+        logging.getLogger("dsrl").warning(THROUGHPUT_TIMER_WARNING)
 
 
 def sequence_parallel_size(ds_config: dict[str, Any]) -> int:
@@ -111,6 +137,8 @@ def resolve_deepspeed_config(
         if isinstance(ds.setdefault("data_types", {}), dict):
             ds["data_types"].setdefault("grad_accum_dtype", "fp32")
         ds.setdefault("communication_data_type", "fp32")
+
+    _throughput_timer(ds)
 
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("stage") == "auto":

@@ -17,6 +17,7 @@ means, the step counters). What is DeepSpeed's (architecture §3, §7):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl.backends.deepspeed import cpu_shm
+from dsrl.backends.deepspeed import cpu_shm, hooks
 from dsrl.backends.deepspeed.apex import apex_adam_for
 from dsrl.backends.deepspeed.autoep import ensure_transformers_compat, expert_parallel_enabled
 from dsrl.backends.deepspeed.autotp import check_model_for_tensor_parallel, tensor_parallel_size
@@ -147,6 +148,17 @@ class RLEngine(StepCore):
     def zero_stage(self) -> int:
         return self.engine.zero_optimization_stage()
 
+    # -- forwards that are not training steps (dsrl.core.forwards.PolicyForwards) ---------------
+    def generation_scope(self) -> contextlib.AbstractContextManager[None]:
+        """The full parameters on this rank and none of the engine's hooks for the block (ZeRO-3: one gather on
+        entry, collective): :func:`dsrl.backends.deepspeed.hooks.generation_scope`."""
+        return hooks.generation_scope(self.engine)
+
+    def no_grad_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Forwards without the engine's per-forward hooks for the block (ZeRO-3 still gathers per forward):
+        :func:`dsrl.backends.deepspeed.hooks.no_grad_scope`."""
+        return hooks.no_grad_scope(self.engine)
+
     # -- the step -------------------------------------------------------------------------------
     def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> StepResult:
         """One optimizer step over a mini-batch given as this rank's micro-batches.
@@ -195,7 +207,8 @@ class RLEngine(StepCore):
 
     @torch.no_grad()
     def forward_no_grad(self, micro_batches: Sequence[MicroBatch], fn: Callable[[Any, MicroBatch], Any]) -> list[Any]:
-        """Run ``fn(engine, micro)`` without gradients on each micro-batch, in eval mode.
+        """Run ``fn(engine, micro)`` without gradients on each micro-batch, in eval mode, outside the engine's
+        per-forward hooks (:meth:`no_grad_scope`: no timer, no device synchronization).
 
         Every rank of the token-owning group runs the same number of forwards (ZeRO-3 gathers
         parameters in each forward): ranks with fewer micro-batches run discarded filler forwards.
@@ -207,9 +220,10 @@ class RLEngine(StepCore):
         was_training = self.engine.training
         self.engine.eval()
         try:
-            outs = [fn(self.engine, mb) for mb in micros]
-            for filler in self.fillers(micros, n_max):
-                fn(self.engine, filler)
+            with self.no_grad_scope():
+                outs = [fn(self.engine, mb) for mb in micros]
+                for filler in self.fillers(micros, n_max):
+                    fn(self.engine, filler)
         finally:
             self.engine.train(was_training)
         return outs

@@ -4,16 +4,23 @@
 rank would defeat the point of ZeRO-3) it becomes an optimizer-less DeepSpeed engine whose parameters
 are sharded and gathered per forward; otherwise a plain module on the device. Under ZeRO-3 every rank
 of the engine must therefore run the same number of forwards: :func:`equal_forwards` pads a rank's
-list of inputs with discarded filler forwards up to the largest count over all ranks.
+list of inputs with discarded filler forwards up to the largest count over all ranks. Such an engine is built
+with DeepSpeed's throughput timer off and runs its forwards outside its own hooks
+(:func:`dsrl.backends.deepspeed.hooks.no_grad_scope`): no forward synchronizes the device.
+:class:`FrozenModel` is the no-grad pass of the KL reference, with the contract of
+:meth:`dsrl.backends.deepspeed.engine.RLEngine.forward_no_grad`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from dsrl.backends.deepspeed.hooks import no_grad_scope
 
 T = TypeVar("T")
 
@@ -32,7 +39,7 @@ def frozen_engine(module: torch.nn.Module, rl: Any, device: Any) -> Any:
     # offload), not its optimizer's.
     params = {k: v for k, v in zero.items() if k.startswith("stage3_") or k == "offload_param"}
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {**params, "stage": 3},
-                           "steps_per_print": 1 << 30}
+                           "steps_per_print": 1 << 30, "timers": {"throughput": {"enabled": False}}}
     for key in ("bf16", "fp16"):
         if isinstance(ds.get(key), dict):
             cfg[key] = {"enabled": bool(ds[key].get("enabled", False))}
@@ -57,11 +64,34 @@ def equal_forwards(model: Any, inputs: Sequence[T], fn: Callable[[Any, T], Any],
     inputs. The counts are exchanged (one MAX all-reduce over all ranks) *before* the first forward: a
     sharded forward is itself collective, so no rank may enter the count exchange while another forwards."""
     fillers = 0
-    if is_sharded(model) and dist.is_initialized() and dist.get_world_size() > 1:
+    sharded = is_sharded(model)
+    if sharded and dist.is_initialized() and dist.get_world_size() > 1:
         n = torch.tensor([len(inputs)], dtype=torch.int64, device=device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         fillers = int(n.item()) - len(inputs)
-    outs = [fn(model, x) for x in inputs]
-    for _ in range(fillers):
-        fn(model, filler)
+    with no_grad_scope(model) if sharded else contextlib.nullcontext():
+        outs = [fn(model, x) for x in inputs]
+        for _ in range(fillers):
+            fn(model, filler)
     return outs, fillers
+
+
+class FrozenModel:
+    """A frozen model beside the policy (a module, or a ZeRO-3 engine from :func:`frozen_engine`) as a no-grad pass
+    runs it: ``forward_no_grad(micros, fn)`` returns ``[fn(model, micro) for micro in micros]``, with every rank of a
+    sharded model running the same number of forwards (:func:`equal_forwards`; the filler is the first micro-batch
+    this object ever saw) outside the engine's hooks."""
+
+    def __init__(self, model: Any, device: Any):
+        self.model, self.device = model, device
+        self._filler: Any = None
+
+    def forward_no_grad(self, micro_batches: Sequence[T], fn: Callable[[Any, T], Any]) -> list[Any]:
+        micros = list(micro_batches)
+        if micros and self._filler is None:
+            self._filler = micros[0]
+        if self._filler is None and is_sharded(self.model):
+            raise RuntimeError("a sharded frozen model's first no-grad pass found no micro-batch on this rank, so it "
+                               "cannot run the filler forwards the other ranks' gathers need; give every rank at "
+                               "least one sequence in the first rollout")
+        return equal_forwards(self.model, micros, fn, self._filler, self.device)[0]

@@ -62,7 +62,7 @@ class RemoteRolloutBackend(RolloutBackend):
     def __init__(self, role: Role, policy: Any, cfg: DsrlConfig, plan: BatchPlan, prompts: PromptSource,
                  stop: Any = None):
         self.role, self.policy, self.cfg, self.plan, self.prompts, self.stop = role, policy, cfg, plan, prompts, stop
-        self.module, self.ds_engine = unwrap(policy.engine)
+        self.module, _ = unwrap(policy)
         view = policy.view
         self.replica = view.data_parallel_rank
         self.is_source = is_source(view)
@@ -106,7 +106,7 @@ class RemoteRolloutBackend(RolloutBackend):
         if version is None:
             raise RuntimeError("RemoteRolloutBackend.begin(rollout) must run before the first sync")
         t0 = time.perf_counter()
-        with torch.no_grad(), gathered_for_generation(self.module, self.ds_engine):
+        with torch.no_grad(), gathered_for_generation(self.module, self.policy):
             waited = self.sender.send(version, self.module.state_dict(), time.monotonic() + self.bound_s) \
                 if self.sender is not None else 0.0
         self.version = version

@@ -6,7 +6,7 @@ Invariants:
   replay or a load-balancing loss on a dense model, on an MoE architecture dsrl cannot route, with a rollout
   backend that cannot return routes, or under a parallel layout that shards positions or routers (Ulysses,
   AutoTP); DeepSpeed AutoEP with a backend or placement whose forwards are not matched across the expert-parallel
-  group (``cb``, ``vllm``, disaggregated);
+  group (``cb``, ``vllm``, disaggregated; ``auto`` picks ``hf`` there);
 - :class:`PolicyRouting` forces, under ``routing_replay = "rollout"``, each micro-batch's ``routes`` in the
   old-log-prob, reference and training forwards (:meth:`dsrl.rollout.routes.MoERouting.force`; sticky until
   :meth:`PolicyRouting.release`, so a backward that re-runs forwards sees them too), and always measures the
@@ -36,8 +36,11 @@ ROUTABLE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # dsrl.rollout.rou
 # Rollout backends whose completions carry routes (rollout.backend -> why not, None = they do)
 def routes_unsupported(backend: str, on_gpu: bool) -> str | None:
     """Why ``rollout.backend`` cannot give a mixture-of-experts policy's completions their routes here (None: it
-    can): hf and cb record them from the routers (so auto too); vLLM where its build can
-    (:func:`dsrl.rollout.vllm.routes_unsupported`)."""
+    can): hf records them from the routers, cb too except on a GPU (CUDA graphs; so auto there), vLLM where its build
+    can (:func:`dsrl.rollout.vllm.routes_unsupported`)."""
+    if backend in (CB_BACKEND, AUTO_BACKEND) and on_gpu:
+        return ("continuous batching on a GPU replays CUDA graphs, which run no Python forward and so none of the "
+                "hooks that record routes" + (" (auto may pick it)" if backend == AUTO_BACKEND else ""))
     if backend in (HF_BACKEND, CB_BACKEND, AUTO_BACKEND):
         return None
     from dsrl.rollout.vllm import routes_unsupported as vllm_routes_unsupported
@@ -93,10 +96,6 @@ def check_moe_run(cfg: Any, on_gpu: bool | None = None) -> MoELayout | None:
         raise ConfigError(f"rollout.placement = 'disaggregated' with expert_parallel.autoep_size = {ep}: the "
                           "generator ranks would need the trainers' expert-parallel groups. Fix: use colocated "
                           "placement with AutoEP, or remove expert_parallel.")
-    if ep > 1 and d.rollout.backend == AUTO_BACKEND:
-        raise ConfigError(f"rollout.backend = 'auto' with expert_parallel.autoep_size = {ep}: auto may pick "
-                          "continuous batching, whose forwards are not matched across the expert-parallel group. "
-                          "Fix: set rollout.backend = 'hf'.")
     if not asked:
         return layout
     if layout is None:
