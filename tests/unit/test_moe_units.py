@@ -320,3 +320,16 @@ def test_routes_travel_through_the_codec_and_the_wire_bit_for_bit():
                    behavior_logprobs=[-0.5] * 4, routes=routes)
     (back,) = decode_completions(encode_completions([c]))
     assert torch.equal(back.routes, routes) and back.completion_ids == c.completion_ids
+
+
+def test_resume_with_another_routing_layout_refused():
+    from dsrl.rl.policy.moe import PolicyRouting
+
+    routing = PolicyRouting(ModelConfig(arch="qwen3_moe", routing_replay="rollout"), tiny_moe())
+    saved = routing.checkpoint_state()
+    assert saved == {"layers": 2, "experts": 4, "top_k": 2, "routing_replay": "rollout"}
+    routing.check_resumed(saved, "ckpt")
+    routing.check_resumed(None, "ckpt")  # a checkpoint from before MoE support, or of a dense run
+    with pytest.raises(ConfigError, match=r"ckpt was written by a mixture-of-experts policy routing 2 layers x 4 "
+                                          r"experts, top-1.*Fix: resume with the dsrl.model settings"):
+        routing.check_resumed({**saved, "top_k": 1}, "ckpt")

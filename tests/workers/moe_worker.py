@@ -54,7 +54,7 @@ def main() -> None:
         engine = dsrl.initialize(model, cfg, optimizer=moe_optimizer(lambda g: torch.optim.AdamW(g, lr=1e-2)))
         rank = dist.get_rank()
         tok = types.SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
-        backend = HFRolloutBackend(engine.engine, tok, RolloutConfig(max_new_tokens=6, generation_batch_size=1))
+        backend = HFRolloutBackend(engine, tok, RolloutConfig(max_new_tokens=6, generation_batch_size=1))
         completions = backend.generate(PROMPTS[rank], 2, seed=rank)
         plain_routing = MoERouting.of(plain)
         rows = []
