@@ -129,6 +129,7 @@ class Trainer:
         self.rl: RLEngine = initialize(model, spec)
         self.plan = self.rl.plan
         self.device = self.rl.device
+        ref_module = self.ref_model  # the frozen copy's module, whatever wraps it below (its routers: MoE replay)
         if self.ref_model is not None:
             self.ref_model = FrozenModel(frozen_engine(self.ref_model, self.rl, self.device), self.device)
         elif d.algorithm.kl_coef > 0:
@@ -139,7 +140,7 @@ class Trainer:
         if moe_layout is not None:
             from dsrl.rl.policy.moe import PolicyRouting
 
-            self.moe = PolicyRouting(d.model, self.rl.engine, self.ref_model)
+            self.moe = PolicyRouting(d.model, self.rl.engine, ref_module)
         self.reward_model = None
         if d.data.reward_model:
             from dsrl.rl.rewards.model import RewardModel

@@ -288,7 +288,8 @@ def generation_routes(log: RouteLog, rows: int, width: int, generated: int) -> t
     generation runs while other ranks finish, are not part of any sequence)."""
     if log.forwards == 0:
         raise RuntimeError("no forward was recorded during generation")
-    parts = [log.call(0).reshape(rows, width, *log.call(0).shape[1:])]
+    first = log.call(0)
+    parts = [first.reshape(rows, width, *first.shape[1:])]
     for i in range(1, min(generated, log.forwards)):
         parts.append(log.call(i).reshape(rows, -1, *parts[0].shape[2:]))
     return torch.cat(parts, dim=1)

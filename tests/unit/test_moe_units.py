@@ -333,3 +333,25 @@ def test_resume_with_another_routing_layout_refused():
     with pytest.raises(ConfigError, match=r"ckpt was written by a mixture-of-experts policy routing 2 layers x 4 "
                                           r"experts, top-1.*Fix: resume with the dsrl.model settings"):
         routing.check_resumed({**saved, "top_k": 1}, "ckpt")
+
+
+def test_reference_forwards_force_routes_on_the_reference_copy():
+    """Under replay the KL reference (a frozen copy) runs the rollout's routes through its own routers."""
+    from dsrl.rl.policy.model import frozen_copy
+    from dsrl.rl.policy.moe import PolicyRouting
+
+    policy = tiny_moe()
+    ref = frozen_copy(policy)
+    routing = PolicyRouting(ModelConfig(arch="qwen3_moe", routing_replay="rollout"), policy, ref)
+    assert routing.ref_routing is MoERouting.of(ref) and routing.ref_routing is not routing.routing
+    ids = torch.randint(0, 16, (1, 5))
+    forced = random_routes(5, 2, 4, 2, seed=4).view(1, 5, 2, 2)
+    with torch.no_grad():
+        natural = ref(ids).logits
+        out = routing.forcing(lambda m, micro: m(micro["input_ids"]).logits, routing.ref_routing)(
+            ref, {"input_ids": ids, "routes": forced})
+        routing.release()
+        with routing.routing.forcing(forced.view(5, 2, 2)):
+            expected = policy.eval()(ids).logits  # same weights, routes forced on the policy
+    assert torch.equal(out, expected) and not torch.equal(out, natural)
+    assert PolicyRouting(ModelConfig(arch="qwen3_moe"), policy).ref_routing is routing.routing  # LoRA / no copy

@@ -135,13 +135,16 @@ class RouteMismatch:
 class PolicyRouting:
     """The MoE duties of the trainer's forwards (module docstring) for the policy engine and its KL reference."""
 
-    def __init__(self, model_cfg: Any, policy: Any, reference: Any = None):
+    def __init__(self, model_cfg: Any, policy: Any, reference: torch.nn.Module | None = None):
+        """``policy``: the policy's module or DeepSpeed engine; ``reference``: the KL reference's own module (a
+        frozen copy), None when the reference is the policy itself (LoRA with its adapters disabled) or absent."""
         routing = MoERouting.of(policy)
         if routing is None:
             raise ValueError("PolicyRouting needs a mixture-of-experts policy")
         self.routing = routing
-        ref_module = getattr(reference, "module", reference)
-        self.ref_routing = MoERouting.of(ref_module) if isinstance(ref_module, torch.nn.Module) else routing
+        self.ref_routing = MoERouting.of(reference) if reference is not None else routing
+        if self.ref_routing is None:
+            raise ValueError("the KL reference of a mixture-of-experts policy has no MoE router")
         self.replay = model_cfg.routing_replay == REPLAY_ROLLOUT
         self.aux_coef = float(model_cfg.router_aux_loss_coef)
         self.layout = routing.layout
