@@ -88,8 +88,10 @@ SHAPES = {
 
 
 def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: str = "float32",
-                      attn: str | None = None) -> Any:
-    """A random-weight Qwen2 whose next-token distribution is ~uniform except eos at probability 1/mean_len."""
+                      attn: str | None = None, gradient_checkpointing: bool = False) -> Any:
+    """A random-weight Qwen2 whose next-token distribution is ~uniform except eos at probability 1/mean_len (in
+    eval mode; with ``gradient_checkpointing``, transformers' non-reentrant checkpointing, as dsrl's
+    ``model.gradient_checkpointing`` enables it, active whenever a trainer puts the model in train mode)."""
     import torch
 
     from dsrl.config import ModelConfig
@@ -98,6 +100,7 @@ def long_tailed_model(shape: str, mean_len: float, device: str = "cpu", dtype: s
     spec = SHAPES[shape]
     vocab = spec["vocab"]
     cfg = ModelConfig(arch="qwen2", dtype=dtype, attn_implementation=attn,
+                      gradient_checkpointing=gradient_checkpointing,
                       tiny={**spec["tiny"], "tie_word_embeddings": False})
     model = build_model(cfg, vocab, PAD, BOS, EOS, on_gpu=device != "cpu", seed=0)
     hidden = model.config.hidden_size

@@ -22,7 +22,8 @@ def summarize(records: list[dict[str, Any]], w: Any) -> dict[str, float]:
     med["train_tok_s"] = statistics.median(w.epochs_per_rollout * r["sequence_tokens"] / max(t, 1e-9)
                                            for r, t in zip(steady, train))
     med["mean_len"] = statistics.mean(r["completion_tokens"] for r in steady) / w.rollout_size
-    med["peak_mb"] = max(r["peak_mb"] for r in records)
+    peaks = [r["peak_mb"] for r in records if r.get("peak_mb") is not None]
+    med["peak_mb"] = max(peaks) if peaks else None
     for p in PHASES:
         peaks = [r.get(f"peak_{p}_mb") for r in records if r.get(f"peak_{p}_mb") is not None]
         med[f"peak_{p}_mb"] = max(peaks) if peaks else None
@@ -68,14 +69,57 @@ def results_table(results: dict[str, dict[str, Any]], gpu: bool) -> str:
             peaks = ("/".join(_fmt(s[f"peak_{p}_mb"], ",.0f") for p in PHASES) if gpu else "-")
             vs = ""
             if side != "dsrl" and base is not None:
-                vs = f"{s['rollout_s'] / base['rollout_s']:.2f} / {base['peak_mb'] / s['peak_mb']:.2f}"
+                vs = f"{s['rollout_s'] / base['rollout_s']:.2f} / {_ratio(base['peak_mb'], s['peak_mb'])}"
             note = " (partial)" if r["status"] != "ok" else ""
             rows.append([backend, SIDE_NAMES[side] + note, f"{s['rollout_s']:.2f}", f"{s['generate_s']:.2f}",
                          f"{s['logprobs_s']:.2f}", f"{s['train_s']:.2f}", f"{s['gen_tok_s']:,.0f}",
-                         f"{s['train_tok_s']:,.0f}", f"{s['mean_len']:.1f}", f"{s['peak_mb']:,.0f}", peaks, vs])
+                         f"{s['train_tok_s']:,.0f}", f"{s['mean_len']:.1f}", _fmt(s["peak_mb"], ",.0f"), peaks, vs])
     return table(["backend", "trainer", "s/rollout", "generate s", "log-probs s", "train s", "gen tok/s",
                   "train tok/s", "mean len", "peak MiB", "peak MiB gen/lp/train", "TRL/dsrl time / dsrl/TRL mem"],
                  rows)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}"
+
+
+# issue 26's targets: dsrl's rollouts per second over TRL's defaults' and over TRL + DeepSpeed's
+SPEED_TARGETS = {"trl": 1.5, "trl-ds": 1.2}
+
+
+def verdict_table(results: dict[str, dict[str, Any]]) -> str:
+    """Every dsrl row (each backend it ran) against TRL's sides under TRL's default generation (the ``hf`` rows):
+    rollouts per second over TRL's against the speed target, and the memory (<= TRL + DeepSpeed's peak) and old
+    log-prob (<= TRL default's seconds) targets. Empty when no pair finished."""
+    trl = {side: (results.get("hf", {}).get(side) or {}).get("summary") for side in SPEED_TARGETS}
+    rows = []
+    for backend, sides in results.items():
+        d = (sides.get("dsrl") or {}).get("summary")
+        if not d:
+            continue
+        for side, target in SPEED_TARGETS.items():
+            t = trl[side]
+            if not t:
+                continue
+            speed = t["rollout_s"] / d["rollout_s"]
+            row = [f"dsrl `{backend}`", SIDE_NAMES[side], f"{d['rollout_s']:.2f} / {t['rollout_s']:.2f}",
+                   f"{speed:.2f}x (>= {target}x: {'met' if speed >= target else 'missed'})"]
+            if side == "trl-ds":
+                met = d["peak_mb"] is not None and t["peak_mb"] is not None and d["peak_mb"] <= t["peak_mb"]
+                row.append(f"{_fmt(d['peak_mb'], ',.0f')} / {_fmt(t['peak_mb'], ',.0f')} (<=: "
+                           f"{'met' if met else 'missed'})")
+            else:
+                row.append("-")
+            if side == "trl":
+                met = d["logprobs_s"] <= t["logprobs_s"]
+                row.append(f"{d['logprobs_s']:.2f} / {t['logprobs_s']:.2f} (<=: {'met' if met else 'missed'})")
+            else:
+                row.append("-")
+            rows.append(row)
+    if not rows:
+        return ""
+    return table(["dsrl", "against", "s/rollout dsrl / TRL", "rollouts/s dsrl over TRL", "peak MiB dsrl / TRL",
+                  "old log-probs s dsrl / TRL"], rows)
 
 
 def census_table(results: dict[str, dict[str, Any]]) -> str:

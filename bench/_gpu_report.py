@@ -109,12 +109,23 @@ def auto_section(cells: list[dict[str, Any]], device: str) -> str:
 # -- end to end -----------------------------------------------------------------------------------------------
 
 
+PROFILE_PART = "e2e-profile"
+
+
 def e2e_results(parts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{backend: {side: results}} of every end-to-end part; the profile part only adds its profiles to the timed
+    parts' entries (its own single rollout is never a timing)."""
     out: dict[str, dict[str, Any]] = {}
     for name, part in parts.items():
         data = part.get("data") or {}
-        if name.startswith("e2e") and "results" in data:
+        if name.startswith("e2e") and name != PROFILE_PART and "results" in data:
             out.update(data["results"])
+    profiled = (parts.get(PROFILE_PART, {}).get("data") or {}).get("results") or {}
+    for backend, sides in profiled.items():
+        for side, r in sides.items():
+            timed = out.get(backend, {}).get(side)
+            if timed is not None and "skipped" not in timed and r.get("profile"):
+                timed["profile"] = r["profile"]
     return out
 
 

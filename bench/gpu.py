@@ -1,31 +1,39 @@
 """Every GPU measurement of dsrl in one command: each part in its own process with a time limit, parts that
 cannot run here skipped with the reason, and one dated section appended to docs/benchmarks.md.
 
-    python bench/gpu.py                            # one GPU: every part, <= 25 minutes in all, <= 8 per part
-    python bench/gpu.py --window 540 --resume      # the same spread over calls of <= 10 minutes (the device
-                                                   # tool): each call runs parts for at most 540 s and the
+    python bench/gpu.py                            # one GPU: the verdict first (<= 8 min), then every other part
+    python bench/gpu.py --window 530 --resume      # the same spread over calls of <= 10 minutes (the device
+                                                   # tool): each call starts parts for at most 530 s and the
                                                    # next call goes on from runs/gpu_bench/state.json
-    python bench/gpu.py --smoke --no-record        # CPU, tiny shapes, about 2 minutes (the unit test suite)
+    python bench/gpu.py --smoke --no-record        # CPU, tiny shapes, the same parts and sides (the test suite)
     python bench/gpu.py --append SECTION.md        # append a section written by --out on another machine
 
-Parts, in the order they run (the most wanted first, so a short loan still answers the open questions):
+Parts, in the order they run (the verdict first, so a short loan still answers it):
 
-- rollout-128, rollout-256 (5 min each): bench/rollout.py, hf vs cb under dsrl's packed attention and under the
-  dense mask, 0.5B shape, bf16, C = 128 / 256, N = 512, geometric lengths of mean 64, 256 new tokens;
-- e2e-hf (8 min): bench/e2e.py, dsrl vs TRL GRPOTrainer with its defaults and with dsrl's precision recipe through
-  its DeepSpeed integration, `generate` on every side, 3 timed rollouts + 1 profiled rollout per process;
-- e2e-cb (7 min): the same with continuous batching;
+- e2e (8 min, start-ups included): the verdict. bench/e2e.py end to end, dsrl with ``rollout.backend = "auto"``
+  and with ``hf`` against TRL's GRPOTrainer with its defaults and through its DeepSpeed integration with dsrl's
+  precision recipe, gradient checkpointing on on every side (TRL's default), 5 rollouts per process (a failure
+  from the second rollout on shows), each process bounded by ``E2E_SIDE_S`` so that the four fit (H200 figures
+  of 2026-11-26: ~11.6 s per rollout for dsrl with hf, ~10 s for TRL, plus ~40 s of start-up each); a side
+  that runs out of time reports the rollouts it finished;
+- rollout-128 (5 min): bench/rollout.py, hf vs cb under dsrl's packed attention and under the dense mask,
+  0.5B shape, bf16, C = 128, N = 512, geometric lengths of mean 64, 256 new tokens;
+- e2e-cb (7 min): the end to end with continuous batching on every side;
+- rollout-256 (5 min): as rollout-128 at C = 256;
 - logprobs (3 min): bench/logprobs.py --device cuda, the chunked log-probs' memory and time;
 - rollout-vllm (5 min), e2e-vllm (4 min): the vLLM column and dsrl's vLLM end to end, where vllm imports;
 - overhead (4 min), throughput (5 min): bench/overhead.py and bench/throughput.py on the 0.5B shape;
 - optim (4 min): bench/optim.py, torch's AdamW vs apex's FusedAdam (where it imports) vs DeepSpeed's;
-- mismatch (3 min): bench/mismatch.py --device cuda, behavior log-probs against the trainer's.
+- mismatch (3 min): bench/mismatch.py --device cuda, behavior log-probs against the trainer's;
+- e2e-profile (6 min), only with ``--profile``: one profiled rollout per side (bench/_profile.py), in a part of
+  its own after every timed one, so a profile can never push timed rollouts past their bound.
 
 A part that runs past its bound is stopped (its process group killed) and reported with what it had written;
 the next part goes on. The section also re-derives ``rollout.backend = "auto"`` and ``cb_attention = "auto"``
-from the measured tokens/s and, where dsrl is slower or heavier than TRL, says per phase where the time and
-memory go (bench/_profile.py) and what would close it. ``--smoke`` runs every part on tiny shapes on the CPU
-and never writes docs/benchmarks.md.
+from the measured tokens/s, sets dsrl's end-to-end figures against issue 26's targets and, where dsrl is slower
+or heavier than TRL, says per phase where the time and memory go (with ``--profile``: the top operators) and
+what would close it. ``--smoke`` runs the same parts with the same sides on tiny shapes on the CPU and never
+writes docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -51,8 +59,8 @@ from _common import BENCH_OUT_ENV, REPO, machine, record, table
 
 BUDGET_S = 25 * 60
 PART_LIMIT_S = 8 * 60
-SMOKE_BUDGET_S = 300
-SMOKE_PART_LIMIT_S = 120
+SMOKE_BUDGET_S = 840  # with TRL importable: 4 + 1 + 3 end-to-end processes on a shared 2-core machine
+SMOKE_PART_LIMIT_S = 240  # the verdict part runs four processes (two where TRL is absent)
 SMOKE_EXPECTED_S = 10
 STATE_DIR = REPO / "runs" / "gpu_bench"
 TITLE = "GPU round: every GPU measurement (bench/gpu.py)"
@@ -99,10 +107,15 @@ ROLLOUT_GPU = ["--device", "cuda", "--shapes", "0.5b", "--sequences", "512", "--
                "64", "--repeats", "1", "--no-record"]
 ROLLOUT_SMOKE = ["--device", "cpu", "--shapes", "tiny32", "--sequences", "32", "--max_new_tokens", "8", "--mean_len",
                  "8", "--repeats", "1", "--no-record"]
-E2E_GPU = ["--device", "cuda", "--repeats", "1", "--rollouts", "3", "--no-record"]
+E2E_ROLLOUTS = 5  # per process: the first carries warm-up costs, the medians are over the other four
+E2E_SIDE_S = 112  # per process of the verdict part: four of them (start-ups included) fit in E2E_BOUND_S
+E2E_BOUND_S = 8 * 60
+E2E_GPU = ["--device", "cuda", "--repeats", "1", "--rollouts", str(E2E_ROLLOUTS), "--gradient_checkpointing", "on",
+           "--no-record"]
 E2E_SMOKE = ["--device", "cpu", "--shape", "tiny", "--prompts_per_rollout", "2", "--samples_per_prompt", "2",
              "--mini_batch_size", "2", "--micro_batch_size", "1", "--max_new_tokens", "4", "--rollouts", "2",
-             "--repeats", "1", "--profile_skip", "1", "--profile_window", "2", "--worker_timeout", "90", "--no-record"]
+             "--repeats", "1", "--gradient_checkpointing", "on", "--profile_skip", "1", "--profile_window", "2",
+             "--worker_timeout", "90", "--no-record"]
 ALL_SIDES = ["--sides", "dsrl", "trl", "trl-ds"]
 
 
@@ -120,38 +133,46 @@ def _rollout(name: str, gpu_c: list[int], smoke_c: list[int], backends: list[str
     return gpu, smoke
 
 
-def _e2e(name: str, backend: str, gpu_extra: list[str], smoke_sides: list[str], profile: bool = False,
+def _e2e(name: str, backends: list[str], gpu_extra: list[str], smoke_sides: list[str], profile: bool = False,
          smoke_extra: tuple[str, ...] = ()) -> tuple[Callable, Callable]:
     def prof(ctx: Ctx) -> list[str]:
         return ["--profile_dir", str(ctx.workdir / "profiles")] if profile else []
 
     def gpu(ctx: Ctx) -> list[str]:
-        return ["bench/e2e.py", *E2E_GPU, "--backends", backend, *gpu_extra, *prof(ctx), "--json", ctx.json(name)]
+        return ["bench/e2e.py", *E2E_GPU, "--backends", *backends, *gpu_extra, *prof(ctx), "--json",
+                ctx.json(name)]
 
     def smoke(ctx: Ctx) -> list[str]:
-        return ["bench/e2e.py", *E2E_SMOKE, *smoke_extra, "--backends", backend, "--sides", *smoke_sides, *prof(ctx),
-                "--json", ctx.json(name)]
+        return ["bench/e2e.py", *E2E_SMOKE, *smoke_extra, "--backends", *backends, "--sides", *smoke_sides,
+                *prof(ctx), "--json", ctx.json(name)]
 
     return gpu, smoke
 
 
-def parts() -> list[Part]:
-    """Every part, in the order they run."""
+def parts(profile: bool = False) -> list[Part]:
+    """Every part, in the order they run (``profile``: with the profiled end-to-end part, last)."""
     r128, r128s = _rollout("rollout-128", [128], [16], ["cb"])
     r256, r256s = _rollout("rollout-256", [256], [32], ["cb"])
     rv, rvs = _rollout("rollout-vllm", [128, 256], [16], ["vllm"])
-    e_hf, e_hfs = _e2e("e2e-hf", "hf", [*ALL_SIDES, "--worker_timeout", "150"], ["dsrl", "trl", "trl-ds"],
-                       profile=True)
-    e_cb, e_cbs = _e2e("e2e-cb", "cb", [*ALL_SIDES, "--worker_timeout", "130"], ["dsrl"])
-    e_v, e_vs = _e2e("e2e-vllm", "vllm", ["--sides", "dsrl", "trl", "--worker_timeout", "200"], ["dsrl"],
+    # the verdict: dsrl `auto` then `hf` (TRL's sides run generate, their default), four processes
+    e2e, e2es = _e2e("e2e", ["auto", "hf"], [*ALL_SIDES, "--worker_timeout", str(E2E_SIDE_S)],
+                     ["dsrl", "trl", "trl-ds"])
+    e_cb, e_cbs = _e2e("e2e-cb", ["cb"], [*ALL_SIDES, "--worker_timeout", "130"], ["dsrl"])
+    e_v, e_vs = _e2e("e2e-vllm", ["vllm"], ["--sides", "dsrl", "trl", "--worker_timeout", "200"], ["dsrl"],
                      smoke_extra=("--shape", "tiny32"))  # vLLM's CPU kernels need head size >= 32
+    # one timed rollout (its figures are not used) and then the profiled one, per side; ~40 s of start-up each
+    e_p, e_ps = _e2e("e2e-profile", ["hf"], [*ALL_SIDES, "--rollouts", "1", "--worker_timeout", "70",
+                                              "--profile_timeout", "85"],
+                     ["dsrl", "trl", "trl-ds"], profile=True, smoke_extra=("--rollouts", "1"))
+    extra = [Part("e2e-profile", "End to end vs TRL, one profiled rollout per side", e_p, e_ps, PART_LIMIT_S, 400,
+                  "e2e", smoke_note="profiles only: the timed figures come from the e2e part")] if profile else []
     return [
+        Part("e2e", "End to end vs TRL: the verdict", e2e, e2es, E2E_BOUND_S, 4 * E2E_SIDE_S, "e2e"),
         Part("rollout-128", "Rollout tokens/s, C = 128", r128, r128s, 300, 150, "rollout"),
-        Part("rollout-256", "Rollout tokens/s, C = 256", r256, r256s, 300, 150, "rollout"),
-        Part("e2e-hf", "End to end vs TRL, generate", e_hf, e_hfs, PART_LIMIT_S, 270, "e2e"),
         Part("e2e-cb", "End to end vs TRL, continuous batching", e_cb, e_cbs, 420, 270, "e2e",
              smoke_note="dsrl only in the smoke: TRL's continuous batching took ~8 s per 16 tokens and ~11 GB of "
                         "host memory on the CPU"),
+        Part("rollout-256", "Rollout tokens/s, C = 256", r256, r256s, 300, 150, "rollout"),
         Part("logprobs", "Chunked log-prob memory",
              lambda ctx: ["bench/logprobs.py", "--device", "cuda", "--rows", "8", "--seq", "1024", "--no-record"],
              lambda ctx: ["bench/logprobs.py", "--device", "cpu", "--rows", "1", "--seq", "8", "--repeats", "1",
@@ -175,6 +196,7 @@ def parts() -> list[Part]:
              lambda ctx: ["bench/mismatch.py", "--device", "cpu", "--backends", "hf", "cb", "--dtypes", "float32",
                           "--prompts", "2", "--samples_per_prompt", "2", "--max_new_tokens", "4", "--no-record"],
              180, 60),
+        *extra,
     ]
 
 
@@ -305,7 +327,7 @@ def versions() -> str:
 
 def section(state: dict[str, Any], ctx: Ctx, selected: list[Part]) -> str:
     """The markdown body of the dated section."""
-    from _e2e_report import census_table, results_table
+    from _e2e_report import census_table, results_table, verdict_table
     from _gpu_report import auto_section, e2e_results, rollout_cells, rollout_table, where_section
 
     gpu = ctx.device != "cpu"
@@ -334,12 +356,21 @@ def section(state: dict[str, Any], ctx: Ctx, selected: list[Part]) -> str:
                 "", "#### `auto` choices re-derived", "", auto_section(cells, ctx.device)]
     results = e2e_results(parts_state)
     if results:
-        wl = next((parts_state[n]["data"]["workload"] for n in parts_state
-                   if n.startswith("e2e") and (parts_state[n].get("data") or {}).get("workload")), {})
+        first = next((parts_state[n]["data"] for n in parts_state
+                      if n.startswith("e2e") and (parts_state[n].get("data") or {}).get("workload")), {})
         from e2e import Workload, describe
 
+        wl = first.get("workload", {})
         w = Workload(**{k: v for k, v in wl.items() if k in Workload.__dataclass_fields__})
-        out += ["", "#### End to end vs TRL GRPOTrainer", "", describe(w, 1, gpu), "", results_table(results, gpu)]
+        picks = {b: p for n in parts_state for b, p in ((parts_state[n].get("data") or {}).get("auto_picks") or {}
+                                                         ).items()}
+        out += ["", "#### End to end vs TRL GRPOTrainer", "", describe(w, first.get("repeats", 1), gpu, picks), "",
+                results_table(results, gpu)]
+        verdict = verdict_table(results)
+        if verdict:
+            out += ["", "Against issue 26's targets (dsrl's rollouts per second over TRL's, TRL under its default "
+                    "generation; peak memory against TRL + DeepSpeed's; old log-prob seconds against TRL's):", "",
+                    verdict]
         census = census_table(results)
         if census:
             out += ["", "Resident memory after the first rollout, by role (MiB):", "", census]
@@ -376,6 +407,8 @@ def main() -> None:
                     f"{PART_LIMIT_S}; smoke {SMOKE_PART_LIMIT_S})")
     ap.add_argument("--window", type=float, default=None, help="stop starting parts after this many seconds of this "
                     "call; --resume goes on (for machines lent in calls of <= 10 minutes)")
+    ap.add_argument("--profile", action="store_true", help="also run e2e-profile (last): one profiled rollout per "
+                    "end-to-end side, for the top operators of 'where the time and memory go'")
     ap.add_argument("--resume", action="store_true", help=f"go on from {STATE_DIR.relative_to(REPO)}/state.json "
                     "when it is there (and fresh)")
     ap.add_argument("--workdir", default=None, help=f"state, logs and part outputs (default: "
@@ -399,7 +432,7 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py measures a GPU and none is visible here (torch.cuda.is_available() is "
                          "False); on a CPU machine run: python bench/gpu.py --smoke --no-record")
-    all_parts = parts()
+    all_parts = parts(profile=args.profile)
     names = [p.name for p in all_parts]
     unknown = sorted(set(args.parts or []) - set(names))
     if unknown:

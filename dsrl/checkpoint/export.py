@@ -80,10 +80,14 @@ def consolidated_state_dict(engine_dir: str, scratch: str | None = None) -> dict
 
     ZeRO-1/2/3: DeepSpeed's ``zero_to_fp32``; tensor-parallel (AutoTP) shards: DeepSpeed's universal
     conversion (into ``scratch``, removed after), whose per-parameter files hold the merged weights;
-    ZeRO-0: the model-states file. DeepSpeed AutoEP (per-expert ``layer_*_expert_*`` files): the universal
+    ZeRO-0: the model-states file (with AutoTP: one per tensor rank, merged by :func:`_merged_tensor_parallel_shards`;
+    DeepSpeed's universal conversion needs ZeRO's optimizer-state files, which ZeRO-0 does not write). DeepSpeed
+    AutoEP (per-expert ``layer_*_expert_*`` files, or its layer list in ZeRO-3's model states): the universal
     conversion, which reassembles every layer's experts, under the Hugging Face names
     (:func:`dsrl.backends.deepspeed.autoep.hf_state_dict`).
     """
+    if glob.glob(os.path.join(engine_dir, "*mp_rank_01_*.pt")) and not _is_zero_partitioned(engine_dir):
+        return _merged_tensor_parallel_shards(engine_dir)
     expert_parallel = _is_expert_parallel(engine_dir)
     if expert_parallel or glob.glob(os.path.join(engine_dir, "*mp_rank_01_*.pt")):
         from dsrl.checkpoint.elastic import convert_to_universal
@@ -107,12 +111,46 @@ def consolidated_state_dict(engine_dir: str, scratch: str | None = None) -> dict
         parent, tag = os.path.split(os.path.abspath(engine_dir))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             state = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
-        return {k: v.float() for k, v in state.items()}
+        state = {k: v.float() for k, v in state.items()}
+        # Frozen parameters (LoRA's base) are recorded for the consolidation from ZeRO-2 on only; under ZeRO-1 the
+        # model-states file holds them whole (ZeRO-1/2 never partition the parameters; ZeRO-3's are empty there).
+        for f in glob.glob(os.path.join(engine_dir, "mp_rank_*_model_states.pt"))[:1]:
+            module = torch.load(f, map_location="cpu", weights_only=False)["module"]
+            state.update({k: v.float() for k, v in module.items() if k not in state and v.numel() > 0})
+        return state
     files = sorted(glob.glob(os.path.join(engine_dir, "mp_rank_*_model_states.pt")))
     if len(files) != 1:
         raise ConfigError(f"{engine_dir}: expected one mp_rank_*_model_states.pt (ZeRO-0), found {len(files)}.")
     module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     return {k: v.float() for k, v in module.items()}
+
+
+def _merged_tensor_parallel_shards(engine_dir: str) -> dict[str, torch.Tensor]:
+    """The full weights of a ZeRO-0 AutoTP checkpoint: each tensor rank's model-states file holds its shards, and
+    the affine map DeepSpeed writes with them (``universal_checkpoint_info.affine_map``: per parameter pattern, its
+    full shape and, per tensor rank, where each piece of the shard lies in the full tensor, as offset and strides)
+    places every piece. A parameter outside the map is replicated: tensor rank 0's copy."""
+    import re
+
+    files = sorted(glob.glob(os.path.join(engine_dir, "mp_rank_*_model_states.pt")))
+    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    modules = [s["module"] for s in states]
+    affine = (states[0].get("universal_checkpoint_info") or {}).get("affine_map", {}).get("params", {})
+    out = {}
+    for name, tensor in modules[0].items():
+        entry = next((v for pattern, v in affine.items() if re.fullmatch(pattern, name)), None)
+        if entry is None:
+            out[name] = tensor.float()
+            continue
+        full = torch.empty(entry["logical_shape"], dtype=torch.float32)
+        for rank, shard_info in entry["ranks"].items():
+            shard = modules[int(rank)][name].float().contiguous()
+            for piece in shard_info["pieces"]:
+                (src_offset, src_strides), (dst_offset, dst_strides) = piece["source"], piece["dest"]
+                # as_strided's offset counts from the storage's start: a loaded shard may be a view into a larger one
+                torch.as_strided(full, piece["shape"], src_strides, src_offset).copy_(
+                    torch.as_strided(shard, piece["shape"], dst_strides, shard.storage_offset() + dst_offset))
+        out[name] = full
 
 
 def fit_shapes(state: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:

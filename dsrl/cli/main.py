@@ -47,10 +47,7 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
 
     if world_size <= 0:
         raise ConfigError(f"--world_size {world_size} must be a positive number of ranks")
-    from dsrl.rl.disagg.roles import check_layout
-
     trainers = trainer_world_size(cfg, world_size)  # disaggregated: the generator ranks do not train
-    check_layout(cfg)
     prepared = prepare(cfg, world_size=trainers, dataset_size=dataset_size, on_gpu=on_gpu)
     plan, spec, on_gpu = prepared.plan, prepared.schedule, prepared.on_gpu
     if cfg.dsrl.has_critic:

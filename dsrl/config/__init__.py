@@ -4,8 +4,9 @@ Owns: every rule that needs neither the world size, the data nor a framework (on
 section group: :mod:`.batch`, :mod:`.run`, :mod:`.model`, :mod:`.data`, :mod:`.rollout`,
 :mod:`.algorithm`, and :mod:`.root` for the rules across sections), the one :class:`ConfigError`
 (import it from here: ``from dsrl.config import ConfigError``), the names of algorithms, loss modes
-and backends (:mod:`.names`, declared once), reading a run file with dotted overrides (:mod:`.load`)
-and docs/configuration.md (:mod:`.docs`).
+and backends (:mod:`.names`, declared once), reading a run file with dotted overrides (:mod:`.load`),
+docs/configuration.md (:mod:`.docs`), the combinations of settings that are refused (:mod:`.support`,
+checked on every run file) and the support matrix with docs/support.md (:mod:`.matrix`).
 
 May import: pydantic and the standard library; no other dsrl package.
 """

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from dsrl.config import support
 from dsrl.config.errors import ConfigError, config_error
 from dsrl.config.root import DsrlConfig
 
@@ -51,6 +52,14 @@ class Config(BaseModel):
                 "scheduler: both the ds_config \"scheduler\" section and dsrl.scheduler.name "
                 f"({self.dsrl.scheduler.name!r}) are set. Fix: keep one."
             )
+        return self
+
+    @model_validator(mode="after")
+    def _supported_combination(self) -> Config:
+        """The combination of settings is one dsrl supports (placement, staleness, backend, LoRA, multi-turn, the
+        critic, AutoTP, AutoEP, Ulysses, dynamic sampling): a run file that breaks rules of docs/support.md gets the
+        sentence of every one, each with its fix, at once."""
+        support.check(self.dsrl, self.ds_config)
         return self
 
     def to_dict(self) -> dict[str, Any]:

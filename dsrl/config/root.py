@@ -11,14 +11,7 @@ from dsrl.config.batch import BatchConfig
 from dsrl.config.data import DataConfig
 from dsrl.config.errors import ConfigError
 from dsrl.config.model import ModelConfig
-from dsrl.config.names import (
-    ALGORITHM_DEFAULTS,
-    ALGORITHM_LOSS_AGG,
-    COLOCATED,
-    CRITIC_ALGORITHMS,
-    DISAGGREGATED,
-    GROUP_RELATIVE_ALGORITHMS,
-)
+from dsrl.config.names import ALGORITHM_LOSS_AGG, CRITIC_ALGORITHMS, DISAGGREGATED, GROUP_RELATIVE_ALGORITHMS
 from dsrl.config.rollout import RolloutConfig
 from dsrl.config.run import RunConfig, SchedulerConfig
 from dsrl.config.section import Section, setting
@@ -139,30 +132,6 @@ class DsrlConfig(Section):
                 "other ranks would end the job before a stuck reward call is given up. Fix: lower "
                 "reward_timeout_s or raise collective_timeout_s."
             )
-        return self
-
-    @model_validator(mode="after")
-    def _asynchronous_generation_fits(self) -> DsrlConfig:
-        """With `rollout.placement` "colocated", `algorithm.max_staleness` is unset or 0 (generation always uses
-        the current weights); with "disaggregated", `algorithm.dynamic_sampling` is off (a refill round would
-        make the trainer wait for generation it cannot overlap: dapo turns it on by default) and `data.environment`
-        is unset (multi-turn generation runs where the environment runs)."""
-        r, a = self.rollout, self.algorithm
-        if r.placement == COLOCATED and a.max_staleness:
-            raise ConfigError(f"dsrl.algorithm.max_staleness = {a.max_staleness} with rollout.placement 'colocated', "
-                              "where every rollout is generated with the current weights. Fix: set "
-                              "dsrl.rollout.placement to 'disaggregated' (with rollout.generator_ranks), or "
-                              "max_staleness to 0.")
-        if r.placement == DISAGGREGATED and self.data.environment:
-            raise ConfigError("dsrl.data.environment (multi-turn rollouts) with rollout.placement 'disaggregated': the "
-                              "generator ranks produce single completions; turn-by-turn generation runs where the "
-                              "environment runs. Fix: use placement 'colocated' for multi-turn runs.")
-        dynamic = ALGORITHM_DEFAULTS[a.name]["dynamic_sampling"] if a.dynamic_sampling is None else a.dynamic_sampling
-        if r.placement == DISAGGREGATED and dynamic:
-            raise ConfigError("dsrl.algorithm.dynamic_sampling is on (dapo's default) with rollout.placement "
-                              "'disaggregated': refilling zero-variance groups needs generation rounds inside a "
-                              "rollout, which generator ranks running ahead do not provide. Fix: set "
-                              "dsrl.algorithm.dynamic_sampling to false, or use placement 'colocated'.")
         return self
 
     @property

@@ -30,8 +30,6 @@ from typing import Any
 import torch
 
 from dsrl.algos.losses import clipped_value_loss
-from dsrl.backends.deepspeed.autotp import tensor_parallel_size
-from dsrl.backends.deepspeed.config import sequence_parallel_size
 from dsrl.backends.deepspeed.engine import EngineSpec, initialize, prepare
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.config.names import TOKEN_MEAN
@@ -73,10 +71,7 @@ def critic_config(cfg: Config) -> Config:
 def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec:
     """The critic's :class:`EngineSpec`: its half of the run file validated as the policy's is (DeepSpeed's own
     classes, the schedule with the critic's horizon), once, before any model is built."""
-    ccfg = critic_config(cfg)
-    if tensor_parallel_size(ccfg.ds_config) > 1 or sequence_parallel_size(ccfg.ds_config) > 1:
-        raise ConfigError("dsrl.algorithm.name = 'ppo': the critic does not run under AutoTP or Ulysses sequence "
-                          "parallelism yet. Fix: use a data-parallel layout (ZeRO 0-3), or a critic-free algorithm.")
+    ccfg = critic_config(cfg)  # AutoTP and Ulysses are refused with the run file (dsrl.config.support)
     try:
         return prepare(ccfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
     except ConfigError as e:

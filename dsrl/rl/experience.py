@@ -52,6 +52,7 @@ from dsrl.rl.episodes.driver import generate_trajectory_groups
 from dsrl.rl.episodes.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, model_mask
 from dsrl.rl.policy.model import forward_logits
 from dsrl.rollout.base import RolloutBackend
+from dsrl.runtime.phases import PhaseClock
 
 
 class _NoWatch:
@@ -196,17 +197,19 @@ class ExperienceMaker:
     Collaborators, each used for what its name says: ``policy`` (the RLEngine: its parallel view, device
     and no-grad forwards for the old log-probs), ``backend`` (generation), ``prompts`` (the prompt stream
     and its encoding), ``rewards``, ``algo`` (the resolved algorithm), and optionally ``ref_model`` (KL
-    reference), ``critic`` (values) and ``watch`` (bounded phase ends)."""
+    reference), ``critic`` (values), ``watch`` (bounded phase ends) and ``phases`` (the
+    :class:`dsrl.runtime.phases.PhaseClock` that times generation, rewards and the no-grad passes)."""
 
     moe: Any = None  # dsrl.rl.policy.moe.PolicyRouting of a mixture-of-experts policy, else None
     route_mismatch: Any = None  # the last score_logprobs' RouteMismatch (MoE)
 
     def __init__(self, cfg: DsrlConfig, plan: BatchPlan, policy: Any, backend: RolloutBackend, tokenizer: Any,
                  prompts: PromptSource, rewards: Rewards, algo: algos.ResolvedAlgorithm, *, ref_model: Any = None,
-                 critic: Any = None, watch: Any = None, moe: Any = None):
+                 critic: Any = None, watch: Any = None, phases: PhaseClock | None = None, moe: Any = None):
         self.d, self.plan, self.policy, self.backend = cfg, plan, policy, backend
         self.tokenizer, self.prompts, self.rewards, self.algo = tokenizer, prompts, rewards, algo
         self.ref_model, self.critic, self.watch = ref_model, critic, watch or _NO_WATCH
+        self.phases = phases or PhaseClock()
         self.moe = moe
         self.view = policy.view
         self.replica = self.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
@@ -229,10 +232,10 @@ class ExperienceMaker:
         if self.rewards.environment is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes.driver)
             return generate_trajectory_groups(self, indices, seed)
         records, prompt_ids = self.prompts.encode(indices)
-        with self.watch.phase("generation"):
+        with self.watch.phase("generation"), self.phases.phase("generate"):
             # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
             completions = self.backend.generate(prompt_ids, self.plan.samples_per_prompt, seed=seed)
-        with self.watch.phase("reward"):
+        with self.watch.phase("reward"), self.phases.phase("reward"):
             scores = None
             model = self.rewards.model
             if model is not None:  # on every rank: a sharded reward model's forwards are collective
@@ -329,15 +332,18 @@ class ExperienceMaker:
         groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
         micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
         fn = self._logprob_fn()
-        outs = self.policy.forward_no_grad(micros, fn) if self.moe is None else self._moe_logprobs(groups, micros, fn)
-        for s, values in zip(samples, completion_values(groups, outs)):
-            s.old_logprobs = values
+        with self.phases.phase("old_logprobs"):
+            outs = (self.policy.forward_no_grad(micros, fn) if self.moe is None
+                    else self._moe_logprobs(groups, micros, fn))
+            for s, values in zip(samples, completion_values(groups, outs)):
+                s.old_logprobs = values
         if self.critic is not None:
-            for s, values in zip(samples, completion_values(groups, self.critic.values(micros))):
-                s.values = values
+            with self.phases.phase("critic_values"):
+                for s, values in zip(samples, completion_values(groups, self.critic.values(micros))):
+                    s.values = values
         if self.ref_model is None:
             return
-        with torch.no_grad():
+        with torch.no_grad(), self.phases.phase("ref_logprobs"):
             # The reference (a frozen copy, or the policy with its LoRA adapters disabled) pads its forwards itself.
             if self.moe is not None and self.moe.replay:  # the rollout's routes in the reference's forwards too
                 fn = self.moe.forcing(fn, self.moe.ref_routing)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from dsrl import algos
 from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
@@ -54,13 +55,14 @@ from dsrl.core.logprobs import token_entropy, token_logprobs
 from dsrl.core.partition import mini_batches, partition_mini_batch
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.data.batching import Sample
-from dsrl.rl.data.replica import RolloutIndex, my_micro_batches
+from dsrl.rl.data.replica import RolloutIndex, is_source, my_micro_batches
 from dsrl.rl.disagg.remote import GenerationStopped
-from dsrl.rl.disagg.roles import Role, check_layout
+from dsrl.rl.disagg.roles import Role
 from dsrl.rl.experience import ExperienceMaker, Rewards
 from dsrl.rl.policy.model import forward_logits
 from dsrl.rl.rewards.contract import all_timed_out
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
+from dsrl.runtime.phases import PhaseClock, phase_record
 from dsrl.runtime.stop import StopControl, StopRun
 from dsrl.runtime.watchdog import Watch
 
@@ -107,7 +109,6 @@ class Trainer:
         # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
         # ds_config and the schedule made here are the ones the engine is built from.
         spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
-        check_layout(self.cfg)
         from dsrl.rl.policy.moe import check_moe_run
 
         moe_layout = check_moe_run(self.cfg, self.on_gpu)  # mixture-of-experts settings (dsrl.rl.policy.moe), first
@@ -170,25 +171,22 @@ class Trainer:
         self.calls = 0  # mini-batches trained (applied or skipped)
         # phase ends bounded, missing ranks named, waits reported (runtime.watchdog)
         self.watch = Watch(d.run.collective_timeout_s, d.run.wait_report_s)
+        # seconds, tokens and peak memory per phase of each rollout, in its metrics row (dsrl.runtime.phases)
+        self.phases = PhaseClock(get_accelerator())
         self.experience = ExperienceMaker(
             d, self.plan, self.rl, self.backend, tok, self.prompt_source,
             Rewards(reward_fn, load_accuracy_fn(d.data), self.reward_model, environment), self.algo,
-            ref_model=self.ref_model, critic=self.critic, watch=self.watch, moe=self.moe)
+            ref_model=self.ref_model, critic=self.critic, watch=self.watch, phases=self.phases, moe=self.moe)
         self.resume_notice: str | None = None  # set by an elastic resume (another world size)
         resumed = self._maybe_resume()
         self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
                                      resume_at=(self.rollout_index, self.rl.optimizer_steps) if resumed else None)
 
     def _check_vllm(self, model: torch.nn.Module) -> None:
-        """The vllm backend can serve this policy on this layout (before any work)."""
-        from dsrl.backends.deepspeed.autotp import tensor_parallel_size
+        """The vllm backend can serve this policy (before any work; vLLM with AutoTP is refused with the run file,
+        dsrl.config.support)."""
         from dsrl.rollout.vllm import check_servable
 
-        tp = tensor_parallel_size(self.cfg.ds_config)
-        if tp > 1:
-            raise ConfigError(f"rollout.backend = 'vllm' with tensor_parallel.autotp_size = {tp}: the vLLM engine "
-                              "takes whole weights, which AutoTP shards. Fix: use rollout.backend = 'hf' or 'cb' under "
-                              "AutoTP, or set autotp_size to 1 (ZeRO-3 shards the training state instead).")
         try:
             check_servable(model.config, on_cpu=not self.on_gpu)
         except ImportError as e:
@@ -437,6 +435,7 @@ class Trainer:
             self._rollout_calls = self.calls
             self.stop.new_rollout()
             boundary = self._stream_state()  # make() draws the next prompts: a stop inside it commits this state
+            self.phases.start_rollout(self.rollout_index)
             try:
                 local, stats, rounds = self.experience.make(self.rollout_index)
             except GenerationStopped as e:
@@ -445,9 +444,10 @@ class Trainer:
                 return summary
             log.debug("rank %d rollout %d: %d local samples (%d masked), %d sampling rounds, %.2fs", self.rank,
                       self.rollout_index + 1, len(local), sum(not s.active for s in local), rounds, stats.rollout_s)
+            self._count_phase_tokens(local)
             t0 = time.perf_counter()
             try:
-                with self.watch.phase("step"):
+                with self.watch.phase("step"), self.phases.phase("train"):
                     results = self.train_rollout(local, lambda res, critic_res: self._on_step(res, critic_res, bar))
             except StopRun:
                 self._log_stop(mid_rollout=True)
@@ -461,6 +461,7 @@ class Trainer:
                                      local_train_s=stats.train_s, elapsed_s=time.perf_counter() - t_loop)
             if self.critic is not None:
                 summary.update(critic_record(self.critic_results))
+            summary.update(phase_record(self.phases.take().reduced(self.device), self.world))
             self.metrics.write("rollout", summary, self.rl.optimizer_steps)
             if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
                 raise RunError(problem, agreed=True)
@@ -481,6 +482,13 @@ class Trainer:
                 break
         self._finished_here = self.rollout_index == plan.rollouts and self.rollout_index > start
         return summary
+
+    def _count_phase_tokens(self, local: list[Sample]) -> None:
+        """The rollout's generated tokens and the tokens its E epochs train on, for the phase rates (each replica's
+        samples counted once)."""
+        if is_source(self.rl.view):
+            self.phases.count_tokens(sum(s.model_tokens for s in local),
+                                     self.plan.epochs_per_rollout * sum(len(s.tokens) for s in local))
 
     def _stop_without_generation(self, e: GenerationStopped, boundary: dict[str, Any]) -> None:
         """The generator ranks are gone (or a stop came while waiting for them): commit the trainer side's state

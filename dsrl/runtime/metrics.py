@@ -2,7 +2,8 @@
 
 Only rank 0 writes. ``metrics.jsonl`` holds one JSON object per line: ``{"event": "step", ...}``
 after every optimizer step (``optimizer_step`` is the applied-step count, ``call`` the mini-batch
-index) and ``{"event": "rollout", ...}`` after every rollout. The ds_config ``tensorboard`` /
+index) and ``{"event": "rollout", ...}`` after every rollout (its phase timings and peak memory come from
+:mod:`dsrl.runtime.phases`). The ds_config ``tensorboard`` /
 ``csv_monitor`` / ``wandb`` sections are honoured through the engine's ``monitor`` (DeepSpeed's
 MonitorMaster), with the optimizer step as the x-axis.
 """
@@ -104,6 +105,9 @@ class MetricsWriter:
             if isinstance(v, (int, float)) and math.isfinite(v) and not (key in SHOWN_WHEN_NONZERO and v == 0):
                 parts.append(fmt.format(v))
         parts.append(f"gen {record['rollout_s']:.1f}s train {record['train_s']:.1f}s")
+        peak = record.get("peak_mib")  # the largest phase peak (dsrl.runtime.phases)
+        if isinstance(peak, (int, float)) and math.isfinite(peak):
+            parts.append(f"peak {peak:,.0f} MiB")
         return " | ".join(parts)
 
     def close(self) -> None:

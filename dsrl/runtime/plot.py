@@ -1,7 +1,8 @@
 """``dsrl plot RUN_DIR [--out FILE]``: the curves of a run, as a PNG, from its ``metrics.jsonl``.
 
-Panels: mean reward and exact-match accuracy, policy entropy, KL to the reference, and (with a critic)
-the value loss, per rollout; the learning rate per optimizer step (policy, and critic when present),
+Panels: mean reward and exact-match accuracy, policy entropy, KL to the reference, (with a critic) the
+value loss, the behavior policy's mismatch (when measured), and the seconds of each phase with the peak
+memory (``dsrl.runtime.phases``), per rollout; the learning rate per optimizer step (policy, and critic when present),
 with the supervised warm-up steps (``dsrl.sft``) shaded. matplotlib is optional: it is imported only
 here, and a clear message says how to install it when it is missing.
 """
@@ -50,6 +51,26 @@ def _pyplot() -> Any:
     return plt
 
 
+PHASE_KEYS = ("phase_generate_s", "phase_reward_s", "phase_old_logprobs_s", "phase_ref_logprobs_s",
+              "phase_critic_values_s", "phase_train_s")
+
+
+def _phase_panel(ax: Any, rollouts: list[dict[str, Any]], keys: list[str]) -> None:
+    """Seconds per rollout of each phase that ran (mean over ranks), and the largest phase peak memory (max over
+    ranks) on a second axis."""
+    for key in keys:
+        x, y = _series(rollouts, "rollout", key)
+        ax.plot(x, y, label=key.removeprefix("phase_").removesuffix("_s"))
+    ax.set_ylabel("seconds per phase")
+    ax.legend(loc="upper left", fontsize=7, ncol=3)
+    x, y = _series(rollouts, "rollout", "peak_mib")
+    if y:
+        mem = ax.twinx()
+        mem.plot(x, y, color="0.5", linestyle="--", label="peak memory")
+        mem.set_ylabel("peak MiB", fontsize=8)
+        mem.legend(loc="upper right", fontsize=7)
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     """Write the run's curves to ``out`` (default ``RUN_DIR/curves.png``); returns the path written."""
     rows = read_metrics(run_dir)
@@ -61,8 +82,9 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     has_critic = any("value_loss" in r for r in rollouts)
     has_mismatch = any(isinstance(r.get(k), (int, float)) for r in rollouts
                        for k in ("rollout_logprob_abs_diff", "router_mismatch_frac"))
+    phase_keys = [k for k in PHASE_KEYS if any(isinstance(r.get(k), (int, float)) for r in rollouts)]
     panels = ["reward", "entropy", "kl", *(["value"] if has_critic else []), *(["mismatch"] if has_mismatch else []),
-              "lr"]
+              *(["phases"] if phase_keys else []), "lr"]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.1 * len(panels)), sharex=False)
     ax = dict(zip(panels, axes))
 
@@ -101,6 +123,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         mm.set_yscale("symlog", linthresh=1e-8)
         mm.set_ylabel("rollout vs trainer")
         mm.legend(loc="upper right", fontsize=7)
+    if phase_keys:
+        _phase_panel(ax["phases"], rollouts, phase_keys)
     for a in axes[:-1]:
         a.set_xlabel("rollout")
     lr = ax["lr"]

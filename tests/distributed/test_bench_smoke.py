@@ -1,9 +1,10 @@
 """The benchmarks still run against the current API (a merge once broke bench/e2e.py's dsrl side without any test
-noticing): ``python bench/gpu.py --smoke --no-record`` runs every GPU benchmark part (bench/rollout.py with both
-cb attentions, bench/e2e.py with its profiled rollout, bench/logprobs.py, bench/overhead.py, bench/throughput.py,
-bench/optim.py, bench/mismatch.py) on tiny shapes on the CPU, each in its own bounded process, and must settle
-every part as run or skipped with a reason, without touching docs/benchmarks.md; bench/lora.py's smallest
-configuration runs too. Timing is not checked."""
+noticing): ``python bench/gpu.py --smoke --no-record --profile`` runs every GPU benchmark part (the verdict part
+first: bench/e2e.py with dsrl's ``auto`` and ``hf`` sides read from dsrl's own metrics rows, and TRL's sides where
+trl imports; bench/rollout.py with both cb attentions, bench/e2e.py with continuous batching and with its profiled
+rollout, bench/logprobs.py, bench/overhead.py, bench/throughput.py, bench/optim.py, bench/mismatch.py) on tiny
+shapes on the CPU, each in its own bounded process, and must settle every part as run or skipped with a reason,
+without touching docs/benchmarks.md; bench/lora.py's smallest configuration runs too. Timing is not checked."""
 
 from __future__ import annotations
 
@@ -32,26 +33,33 @@ def run(args: list[str], timeout: float = 600, **extra_env: str) -> subprocess.C
 def test_gpu_bench_smoke_runs_every_part(tmp_path):
     docs = REPO / "docs" / "benchmarks.md"
     before = hashlib.sha256(docs.read_bytes()).hexdigest()
-    run(["bench/gpu.py", "--smoke", "--no-record", "--workdir", str(tmp_path)])
+    run(["bench/gpu.py", "--smoke", "--no-record", "--profile", "--workdir", str(tmp_path)], timeout=900)
     assert hashlib.sha256(docs.read_bytes()).hexdigest() == before, "--smoke must not write docs/benchmarks.md"
     state = json.loads((tmp_path / "state.json").read_text())
     parts = state["parts"]
     from gpu import parts as all_parts
 
-    assert set(parts) == {p.name for p in all_parts()}
+    assert [p.name for p in all_parts()][:2] == ["e2e", "rollout-128"]  # the verdict first, then C = 128
+    assert set(parts) == {p.name for p in all_parts(profile=True)}
     for name, part in parts.items():
         assert part["status"] in ("ok", "skipped"), (name, part.get("log_tail"))
         assert part["status"] == "ok" or part["reason"], name
     for name in ("rollout-128", "rollout-256"):
         rates = parts[name]["data"]["cells"][0]["rates"]
         assert {"hf", "cb/model", "cb/varlen"} <= set(rates) and all(rates.values())
-    e2e = parts["e2e-hf"]["data"]["results"]["hf"]
-    dsrl = e2e["dsrl"]
-    assert dsrl["summary"]["rollouts"] >= 1 and dsrl["census"]["weights"] > 0
-    assert {"generate", "logprobs", "train"} == set(dsrl["profile"]["phases"])
-    assert dsrl["profile"]["steps"]["traced"] > 0  # the generate window was traced
+    verdict = parts["e2e"]["data"]["results"]
+    for backend in ("auto", "hf"):  # dsrl's figures: its own metrics rows (dsrl/runtime/phases.py)
+        dsrl = verdict[backend]["dsrl"]
+        assert dsrl["status"] == "ok" and dsrl["summary"]["rollouts"] >= 1 and dsrl["census"]["weights"] > 0
+        assert dsrl["summary"]["generate_s"] > 0 and dsrl["summary"]["logprobs_s"] > 0, dsrl["summary"]
+        assert dsrl["profile"] is None  # profiles only in their own part
+    assert parts["e2e"]["data"]["auto_picks"]["auto"] in ("hf", "cb")
+    assert "dsrl only" in verdict["auto"]["trl"]["skipped"]  # TRL has no auto: its default is the hf row
     for side in ("trl", "trl-ds"):  # TRL is a benchmark-only dependency: run where it imports, else skipped
-        assert "summary" in e2e[side] or "not importable" in e2e[side]["skipped"]
+        assert "summary" in verdict["hf"][side] or "not importable" in verdict["hf"][side]["skipped"]
+    profiled = parts["e2e-profile"]["data"]["results"]["hf"]["dsrl"]
+    assert {"generate", "logprobs", "train"} == set(profiled["profile"]["phases"])
+    assert profiled["profile"]["steps"]["traced"] > 0  # the generate window was traced
     assert parts["e2e-cb"]["data"]["results"]["cb"]["dsrl"]["summary"]["rollouts"] >= 1
     section = (tmp_path / "section.md").read_text()
     for heading in ("#### Rollout tokens/s", "#### `auto` choices re-derived", "#### End to end vs TRL GRPOTrainer",

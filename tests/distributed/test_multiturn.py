@@ -54,6 +54,9 @@ def test_zero3_ppo_cb_trajectories_with_an_environment_timeout(tmp_path):
         assert 1.5 <= r["turns_per_trajectory"] <= 2.0 and r["observation_tokens_per_trajectory"] >= 2.0
         assert r["value_loss"] == r["value_loss"] and r["loss"] == r["loss"]  # finite: nothing non-finite trained
     assert first["environment_s"] >= 1.0  # the 2 s the slow call took on rank 1, averaged over 2 ranks
+    for r in rows:  # every phase ran (PPO with a KL reference, multi-turn turns as generation), peaks known
+        for p in ("generate", "reward", "old_logprobs", "ref_logprobs", "critic_values", "train"):
+            assert r[f"phase_{p}_s"] > 0 and r[f"peak_{p}_mib"] > 0, (p, r)
 
 
 def test_stuck_environment_is_reported_then_named_by_the_collective_bound(tmp_path):

@@ -59,6 +59,15 @@ def test_plan_accounting_and_metrics(reference):
     for key in ("reward_mean", "reward_std", "accuracy", "response_len", "kl", "entropy", "clip_low_frac",
                 "clip_high_frac", "grad_norm", "lr", "tokens_per_s", "rollout_s", "train_s", "prompt_epochs"):
         assert key in last, key
+    # Phase timings and peaks (dsrl.runtime.phases): the phases this job runs, each inside the span it belongs to
+    # (per rank, so also as means over ranks); no reference and no critic here, so no such phase.
+    for r in rollouts:
+        inside_make = r["phase_generate_s"] + r["phase_reward_s"] + r["phase_old_logprobs_s"]
+        assert 0 < inside_make <= r["rollout_s"] and 0 < r["phase_train_s"] <= r["train_s"], r
+        assert all(r[f"peak_{p}_mib"] > 0 for p in ("generate", "reward", "old_logprobs", "train")), r
+        assert r["peak_mib"] == max(r[f"peak_{p}_mib"] for p in ("generate", "reward", "old_logprobs", "train"))
+        assert r["generate_tokens_per_s"] > 0 and r["train_sequence_tokens_per_s"] > 0
+        assert not {"phase_ref_logprobs_s", "phase_critic_values_s"} & set(r)
     # The ds_config csv_monitor section is honoured through DeepSpeed's monitor, under the output dir.
     assert any((out / "monitor").rglob("*.csv")), list(out.rglob("*"))
 

@@ -248,6 +248,7 @@ def test_experience_gae_and_kl_penalty_use_model_tokens_only():
 
 def test_the_kl_penalty_in_the_reward_sums_model_tokens_only():
     from dsrl.rl.experience import ExperienceMaker
+    from dsrl.runtime.phases import PhaseClock
 
     t = Trajectory(0, [1, 5])
     t.add_model_turn([7, 8], [-1.0, -1.0])
@@ -267,7 +268,7 @@ def test_the_kl_penalty_in_the_reward_sums_model_tokens_only():
                                     algorithm=types.SimpleNamespace(kl_in="reward", kl_coef=0.5))
     maker.policy = types.SimpleNamespace(device="cpu",
                                          forward_no_grad=lambda micros, fn: [fn(policy_model, m) for m in micros])
-    maker.pad_id, maker.critic = 0, None
+    maker.pad_id, maker.critic, maker.phases = 0, None, PhaseClock()
     maker.ref_model = types.SimpleNamespace(forward_no_grad=lambda micros, fn: [fn(ref_model, m) for m in micros])
     maker._logprob_fn = lambda: logprob_fn
     maker.score_logprobs([s])

@@ -211,10 +211,6 @@ def _run_file(tmp_path, **model) -> str:
     ({"router_aux_loss_coef": 0.1}, {}, {}, r"router_aux_loss_coef = 0.1 with a dense model"),
     ({"arch": "qwen3_moe", "routing_replay": "rollout"}, {"backend": "vllm"}, {},
      r"routing_replay = 'rollout' with rollout.backend = 'vllm': vLLM's CPU build cannot return routes"),
-    ({"arch": "qwen3_moe", "routing_replay": "rollout"}, {"backend": "hf"}, {"tensor_parallel": {"autotp_size": 2}},
-     "Ulysses sequence parallelism or AutoTP"),
-    ({"arch": "qwen3_moe"}, {"backend": "cb"}, {"expert_parallel": {"enabled": True, "autoep_size": 2}},
-     r"rollout.backend = 'cb' with expert_parallel.autoep_size = 2"),
 ])
 def test_moe_refusals_before_any_work(tmp_path, model, rollout, ds, match):
     from dsrl.rl.policy.moe import check_moe_run
@@ -355,3 +351,23 @@ def test_reference_forwards_force_routes_on_the_reference_copy():
             expected = policy.eval()(ids).logits  # same weights, routes forced on the policy
     assert torch.equal(out, expected) and not torch.equal(out, natural)
     assert PolicyRouting(ModelConfig(arch="qwen3_moe"), policy).ref_routing is routing.routing  # LoRA / no copy
+
+
+@pytest.mark.parametrize("model, rollout, ds, rule", [
+    ({"arch": "qwen3_moe", "routing_replay": "rollout"}, {}, {"tensor_parallel": {"autotp_size": 2}}, "replay-autotp"),
+    ({"arch": "qwen3_moe", "router_aux_loss_coef": 0.1}, {}, {"sequence_parallel_size": 2},
+     "router-aux-sequence-parallel"),
+    ({"arch": "qwen3_moe"}, {"backend": "cb"}, {"expert_parallel": {"enabled": True, "autoep_size": 2}}, "autoep-cb"),
+])
+def test_run_file_rules_refuse_moe_combinations_when_loaded(tmp_path, model, rollout, ds, rule):
+    """The refusals a run file alone decides are rules of dsrl.config.support, raised by load_config itself."""
+    from dsrl.config.root import DsrlConfig
+    from dsrl.config.support import RULES, Setup
+
+    raw = json.loads(open(_run_file(tmp_path, **model)).read())
+    raw.update(ds)
+    raw["dsrl"]["rollout"] = rollout
+    with pytest.raises(ConfigError) as e:
+        load_config(raw)
+    want = next(r for r in RULES if r.name == rule)
+    assert str(e.value) == want.message(Setup.of(DsrlConfig(**raw["dsrl"]), ds))

@@ -85,7 +85,9 @@ def test_plot_writes_a_png(tmp_path):
         rows.append({"event": "step", "rollout": r, "call": r, "optimizer_step": r + 1, "lr": 1e-3 * r,
                      "critic_lr": 2e-3})
         rows.append({"event": "rollout", "rollout": r, "optimizer_step": r + 1, "reward_mean": 0.1 * r,
-                     "accuracy": 0.05 * r, "entropy": 1.0 / r, "kl": None, "value_loss": 0.5 / r})
+                     "accuracy": 0.05 * r, "entropy": 1.0 / r, "kl": None, "value_loss": 0.5 / r,
+                     "phase_generate_s": 0.5, "phase_old_logprobs_s": 0.1 * r, "phase_train_s": 1.0,
+                     "peak_mib": 500.0 + r})  # the phases panel (dsrl.runtime.phases)
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n{cut by a crash")
     out = plot_run(str(tmp_path))
     assert out == str(tmp_path / "curves.png")

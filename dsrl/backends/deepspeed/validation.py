@@ -91,26 +91,13 @@ def validated_deepspeed_config(
 
 
 def check_lora_run(ds_config: dict[str, Any]) -> None:
-    """With ``dsrl.model.lora``: PEFT is installed, and the layout is one LoRA runs under (AutoTP and AutoEP
-    replace the layers the adapters wrap with their own; docs/lora.md)."""
+    """With ``dsrl.model.lora``: PEFT is installed. (The layouts LoRA does not run under, AutoTP and AutoEP, are
+    refused with the run file: :mod:`dsrl.config.support`.)"""
     import importlib.util
-
-    from dsrl.backends.deepspeed.autoep import expert_parallel_enabled
-    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
 
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: pip install "
                           "'dsrl[lora]' (peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every parameter.")
-
-    tp = tensor_parallel_size(ds_config)
-    if tp > 1:
-        raise ConfigError(f"dsrl.model.lora with tensor_parallel.autotp_size = {tp}: AutoTP replaces the linear "
-                          "layers the LoRA adapters wrap with its own sharded layers. Fix: set autotp_size to 1 and "
-                          "let ZeRO-3 shard the frozen base weights, or remove dsrl.model.lora.")
-    if expert_parallel_enabled(ds_config):
-        raise ConfigError("dsrl.model.lora with an expert_parallel section: AutoEP replaces the expert layers the "
-                          "LoRA adapters would wrap. Fix: remove expert_parallel (ZeRO-3 shards the frozen experts), "
-                          "or remove dsrl.model.lora.")
 
 
 def accelerator_is_gpu() -> bool:

@@ -73,18 +73,6 @@ class Role:
         return f"{kind} {index} (rank {global_rank} on host {host})"
 
 
-def check_layout(cfg: Any) -> None:
-    """Refuse, before any work, what disaggregated training does not support: AutoTP trainers (the published
-    weights come from the engine's module, whose AutoTP layers hold shards)."""
-    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
-
-    tp = tensor_parallel_size(cfg.ds_config)
-    if cfg.dsrl.rollout.placement == DISAGGREGATED and tp > 1:
-        raise ConfigError(f"dsrl.rollout.placement = 'disaggregated' with tensor_parallel.autotp_size = {tp}: the "
-                          "generators need whole weights and AutoTP shards them. Fix: use ZeRO-3 without AutoTP "
-                          "for the trainers, or placement 'colocated'.")
-
-
 def _launcher_env() -> tuple[int, int, str, int]:
     try:
         return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],

@@ -45,6 +45,7 @@ from dsrl.rl.data.replica import share_with_tensor_peers
 from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder, Turn
 from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, Trajectory
 from dsrl.rl.rewards.contract import _short
+from dsrl.runtime.phases import PhaseClock
 
 log = logging.getLogger("dsrl.episodes")
 
@@ -80,13 +81,16 @@ class _TurnResult:
 
 class EpisodeRunner:
     """Generates one round of trajectories (module docstring). ``view``/``device``: the policy's parallel view and
-    collective device; ``watch``: the job's :class:`dsrl.runtime.watchdog.Watch` (or None)."""
+    collective device; ``watch``: the job's :class:`dsrl.runtime.watchdog.Watch` (or None); ``phases``: the
+    :class:`dsrl.runtime.phases.PhaseClock` that times the model's turns as the ``generate`` phase (or None)."""
 
     def __init__(self, backend: Any, tokenizer: Any, env: EnvironmentCaller, encoder: ObservationEncoder,
-                 max_turns: int, max_tokens: int, view: Any = None, device: Any = "cpu", watch: Any = None):
+                 max_turns: int, max_tokens: int, view: Any = None, device: Any = "cpu", watch: Any = None,
+                 phases: PhaseClock | None = None):
         self.backend, self.tokenizer, self.env, self.encoder = backend, tokenizer, env, encoder
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.view, self.device, self.watch = view, device, watch or _NoWatch()
+        self.phases = phases or PhaseClock()
         self._episodes: dict[int, Any] = {}
         self._overflow_told = False
 
@@ -96,7 +100,7 @@ class EpisodeRunner:
         d = maker.d
         return cls(maker.backend, maker.tokenizer, maker.rewards.environment,
                    ObservationEncoder(maker.tokenizer, d.data.chat_template), d.rollout.max_turns,
-                   d.rollout.max_trajectory_tokens, maker.view, maker.device, maker.watch)
+                   d.rollout.max_trajectory_tokens, maker.view, maker.device, maker.watch, maker.phases)
 
     def run(self, records: list[dict], prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
             labels: list[int] | None = None) -> list[Trajectory]:
@@ -110,7 +114,7 @@ class EpisodeRunner:
         turn = 0
         while True:
             active = [k for k, t in enumerate(trajs) if t.active]
-            with self.watch.phase("generation"):
+            with self.watch.phase("generation"), self.phases.phase("generate"):
                 if turn == 0:  # called even with no prompts: under ZeRO-3 every rank enters the parameter gather
                     completions = self.backend.generate(prompt_ids, G, seed=seed)
                 else:
@@ -239,7 +243,7 @@ def generate_trajectory_groups(maker: Any, indices: list[int], seed: int) -> lis
     result (one group of G scored samples per prompt), each sample a trajectory."""
     records, prompt_ids = maker.prompts.encode(indices)
     trajs = EpisodeRunner.of(maker).run(records, prompt_ids, maker.plan.samples_per_prompt, seed, labels=indices)
-    with maker.watch.phase("reward"):
+    with maker.watch.phase("reward"), maker.phases.phase("reward"):
         scores = None
         model = maker.rewards.model
         if model is not None:  # on every rank: a sharded reward model's forwards are collective

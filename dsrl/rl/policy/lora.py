@@ -15,7 +15,7 @@ Invariants:
 - the KL reference is the policy engine itself with its adapters disabled (:class:`AdaptersDisabled`), never a
   second copy; it forwards through the engine with the same number of forwards on every rank (ZeRO-3);
 - refused before any work: AutoTP and AutoEP (they replace the layers the adapters wrap; refused with the
-  ds_config's validation, :func:`dsrl.backends.deepspeed.validation.check_lora_run`), adapters or
+  run file, rules ``autotp-lora`` and ``autoep-lora`` of :mod:`dsrl.config.support`), adapters or
   ``modules_to_save`` on the embedding or output head of a model with tied word embeddings (the tie would
   break), target modules that match nothing.
 """

@@ -2,11 +2,11 @@
 and what the trainer's forwards do with routes (routing replay, R3; the router's load-balancing term).
 
 Invariants:
-- :func:`check_moe_run` refuses, before any work and with one sentence naming the setting and the fix: routing
-  replay or a load-balancing loss on a dense model, on an MoE architecture dsrl cannot route, with a rollout
-  backend that cannot return routes, or under a parallel layout that shards positions or routers (Ulysses,
-  AutoTP); DeepSpeed AutoEP with a backend or placement whose forwards are not matched across the expert-parallel
-  group (``cb``, ``vllm``, disaggregated; ``auto`` picks ``hf`` there);
+- :func:`check_moe_run` refuses, before any work and with one sentence naming the setting and the fix, what needs
+  the model or the machine to be known: routing replay or a load-balancing loss on a dense model or on an MoE
+  architecture dsrl cannot route, and replay with a rollout backend that cannot return routes here. The refusals
+  a run file alone decides (AutoEP with ``cb``, ``vllm`` or disaggregated placement; replay or the load-balancing
+  term under Ulysses or AutoTP) are rules of :mod:`dsrl.config.support`, checked with every run file;
 - :class:`PolicyRouting` forces, under ``routing_replay = "rollout"``, each micro-batch's ``routes`` in the
   old-log-prob, reference and training forwards (:meth:`dsrl.rollout.routes.MoERouting.force`; sticky until
   :meth:`PolicyRouting.release`, so a backward that re-runs forwards sees them too), and always measures the
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from dsrl.config import ConfigError
-from dsrl.config.names import AUTO_BACKEND, CB_BACKEND, DISAGGREGATED, HF_BACKEND, REPLAY_ROLLOUT, VLLM_BACKEND
+from dsrl.config.names import AUTO_BACKEND, CB_BACKEND, HF_BACKEND, REPLAY_ROLLOUT
 from dsrl.core.routes import MoELayout, config_layout, differing_pairs, sequence_routes
 from dsrl.rollout.routes import MoERouting
 
@@ -73,11 +73,7 @@ def policy_layout(model_cfg: Any) -> MoELayout | None:
 def check_moe_run(cfg: Any, on_gpu: bool | None = None) -> MoELayout | None:
     """The MoE refusals of the module docstring for a run file (:class:`dsrl.config.Config`) on this machine's
     accelerator (or ``on_gpu``); returns the policy's layout (None when dense)."""
-    from dsrl.backends.deepspeed.autoep import expert_parallel_size
-    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
-    from dsrl.backends.deepspeed.config import sequence_parallel_size
-
-    d, ds = cfg.dsrl, cfg.ds_config
+    d = cfg.dsrl
     m = d.model
     config = model_config(m)
     layout = config_layout(config) if config is not None else None
@@ -87,15 +83,6 @@ def check_moe_run(cfg: Any, on_gpu: bool | None = None) -> MoELayout | None:
                              (f"dsrl.model.router_aux_loss_coef = {m.router_aux_loss_coef}",
                               m.router_aux_loss_coef > 0)) if on]
     off = "set dsrl.model.routing_replay = 'off' and router_aux_loss_coef = 0"
-    ep = expert_parallel_size(ds)
-    if ep > 1 and d.rollout.backend in (CB_BACKEND, VLLM_BACKEND):
-        raise ConfigError(f"rollout.backend = {d.rollout.backend!r} with expert_parallel.autoep_size = {ep}: every "
-                          "forward of an AutoEP model is an all-to-all of the expert-parallel group, and this backend "
-                          "runs a different number of forwards on each rank. Fix: use rollout.backend = 'hf'.")
-    if ep > 1 and d.rollout.placement == DISAGGREGATED:
-        raise ConfigError(f"rollout.placement = 'disaggregated' with expert_parallel.autoep_size = {ep}: the "
-                          "generator ranks would need the trainers' expert-parallel groups. Fix: use colocated "
-                          "placement with AutoEP, or remove expert_parallel.")
     if not asked:
         return layout
     if layout is None:
@@ -113,10 +100,6 @@ def check_moe_run(cfg: Any, on_gpu: bool | None = None) -> MoELayout | None:
         raise ConfigError(f"dsrl.model.routing_replay = 'rollout' with rollout.backend = {d.rollout.backend!r}: "
                           f"{why}, so there would be no routes to replay. Fix: use rollout.backend = 'hf' or 'cb', "
                           "or set routing_replay = 'off'.")
-    if sequence_parallel_size(ds) > 1 or tensor_parallel_size(ds) > 1:
-        raise ConfigError(f"{asked[0]} with Ulysses sequence parallelism or AutoTP: each rank would see a shard of "
-                          "every position's tokens or of the router, which dsrl's routes do not describe. Fix: "
-                          f"remove sequence_parallel_size / tensor_parallel, or {off}.")
     return layout
 
 
