@@ -31,10 +31,9 @@ from typing import Any
 
 import torch
 
+from dsrl.checkpoint.adapters import ADAPTER_CONFIG, HF_META
 from dsrl.config import ConfigError
 
-HF_META = "hf"
-ADAPTER_CONFIG = "adapter_config.json"  # PEFT's, in hf/ of a LoRA run's checkpoints
 PEFT_HINT = "pip install 'dsrl[lora]' (peft>=0.21,<0.22)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,6 +150,7 @@ def _merged_tensor_parallel_shards(engine_dir: str) -> dict[str, torch.Tensor]:
                 torch.as_strided(full, piece["shape"], src_strides, src_offset).copy_(
                     torch.as_strided(shard, piece["shape"], dst_strides, shard.storage_offset() + dst_offset))
         out[name] = full
+    return out
 
 
 def fit_shapes(state: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
