@@ -227,9 +227,10 @@ def write_rank_state(save_dir: str, tag: str, rank_state: dict[str, Any] | None,
 
 def commit(save_dir: str, tag: str, previous: str | None, engines: dict[str, dict[str, Any]],
            checksums: bool = True, keep_last: int | None = None,
-           before_commit: Callable[[str], None] | None = None) -> str:
+           before_commit: Callable[[str], None] | None = None, model: dict[str, Any] | None = None) -> str:
     """Step 3 (collective): ``before_commit(tag_dir)`` on rank 0 (small extra files), the manifest of
-    every file, then the ``COMPLETE`` marker and ``latest``; prune to ``keep_last``."""
+    every file (with ``model``, what the model was), then the ``COMPLETE`` marker and ``latest``; prune to
+    ``keep_last``."""
     path = os.path.join(save_dir, tag)
     error = None
     if _rank() == 0 and before_commit is not None:
@@ -245,7 +246,7 @@ def commit(save_dir: str, tag: str, previous: str | None, engines: dict[str, dic
     _agree(error, save_dir, tag, previous)
     if _rank() == 0:
         try:
-            manifest.write(path, files, engines, tag)
+            manifest.write(path, files, engines, tag, model=model)
             atomic_write_bytes(os.path.join(path, COMPLETE), tag.encode())
             atomic_write_bytes(os.path.join(save_dir, LATEST), tag.encode())
         except Exception as e:
@@ -273,6 +274,7 @@ def save(
     checksums: bool = True,
     before_commit: Callable[[str], None] | None = None,
     companions: dict[str, tuple[Any, dict[str, Any], dict[str, Any]]] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> str:
     """Save a DeepSpeed engine checkpoint plus dsrl's state, committed atomically (module doc).
 
@@ -280,7 +282,8 @@ def save(
     under the single key ``"dsrl"``; ``rank_state`` is written per rank to ``dsrl_rank{r}.pt``;
     ``layout`` (the engine's data-parallel size, ZeRO stage, ...) is recorded in the manifest;
     ``companions`` maps a name to ``(engine, its dsrl state, its layout)`` for a second engine (the
-    critic beside the policy), written to ``tag/<name>/`` in the same commit.
+    critic beside the policy), written to ``tag/<name>/`` in the same commit; ``model`` (what the model was: its
+    LoRA adapters) is recorded in the manifest.
     Returns the checkpoint directory. Must be called on every rank.
     """
     previous = begin(save_dir, tag)
@@ -291,7 +294,7 @@ def save(
         layouts[name] = other_layout
     write_rank_state(save_dir, tag, rank_state, previous)
     return commit(save_dir, tag, previous, layouts, checksums=checksums, keep_last=keep_last,
-                  before_commit=before_commit)
+                  before_commit=before_commit, model=model)
 
 
 def prune(save_dir: str, keep_last: int) -> None:

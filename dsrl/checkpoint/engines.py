@@ -35,15 +35,16 @@ class Resumed:
 def save_engines(rl: RLEngine, save_dir: str, tag: str, client_state: dict[str, Any] | None = None,
                  rank_state: dict[str, Any] | None = None, keep_last: int | None = None, checksums: bool = True,
                  before_commit: Callable[[str], None] | None = None,
-                 companions: dict[str, RLEngine] | None = None) -> str:
-    """Atomic checkpoint of ``rl`` (engine + schedule + ``client_state`` + per-rank state) and its companions;
-    returns the committed checkpoint's directory. Collective: every rank calls it."""
+                 companions: dict[str, RLEngine] | None = None, model: dict[str, Any] | None = None) -> str:
+    """Atomic checkpoint of ``rl`` (engine + schedule + ``client_state`` + per-rank state) and its companions,
+    with ``model`` (:func:`dsrl.checkpoint.adapters.record`) in its manifest; returns the committed checkpoint's
+    directory. Collective: every rank calls it."""
     state = {"engine": rl.state_dict(), "client": client_state or {}}
     others = {name: (c.engine, {"engine": c.state_dict()}, engine_layout(c).to_dict())
               for name, c in (companions or {}).items()}
     return commit.save(rl.engine, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last,
                        layout=engine_layout(rl).to_dict(), checksums=checksums, before_commit=before_commit,
-                       companions=others)
+                       companions=others, model=model)
 
 
 def load_engines(rl: RLEngine, load_dir: str, tag: str | None = None,

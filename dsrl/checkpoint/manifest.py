@@ -3,7 +3,9 @@ the layout each engine was saved with (data-parallel size, ZeRO stage), written 
 
 Invariants:
 - the manifest is written (atomically) before the ``COMPLETE`` marker, so every complete checkpoint
-  written by this version has one; it lists every file of the tag directory, sub-directories included
+  written by this version has one; besides the files and layouts it records what the model was
+  (``"model"``: its LoRA adapters, :mod:`dsrl.checkpoint.adapters`); it lists every file of the tag
+  directory, sub-directories included
   (a second engine saved under ``<tag>/<name>/`` is covered without change), except the commit files
   themselves and the ``universal/`` conversion caches that a resume may add later;
 - :func:`problems` names each file that is missing, has another size or another checksum; an empty
@@ -83,9 +85,13 @@ def collect(root: str, checksums: bool) -> dict[str, dict[str, Any]]:
     return {k: v for part, _ in parts for k, v in part.items()}
 
 
-def write(root: str, files: dict[str, dict[str, Any]], engines: dict[str, dict[str, Any]], tag: str) -> None:
-    """Write ``root/MANIFEST.json`` atomically (rank 0)."""
+def write(root: str, files: dict[str, dict[str, Any]], engines: dict[str, dict[str, Any]], tag: str,
+          model: dict[str, Any] | None = None) -> None:
+    """Write ``root/MANIFEST.json`` atomically (rank 0); ``model`` is what the run's model was (its LoRA adapters,
+    :mod:`dsrl.checkpoint.adapters`), when given."""
     doc = {"format": FORMAT, "tag": tag, "engines": engines, "files": files}
+    if model is not None:
+        doc["model"] = model
     atomic_write_bytes(os.path.join(root, MANIFEST), json.dumps(doc, indent=1, sort_keys=True).encode())
 
 

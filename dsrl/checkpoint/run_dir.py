@@ -25,8 +25,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsrl.checkpoint import adapters, manifest
 from dsrl.checkpoint import commit as ckpt
-from dsrl.checkpoint import manifest
 from dsrl.checkpoint.output_lock import OutputLock
 from dsrl.config import ConfigError
 from dsrl.core import collectives
@@ -48,6 +48,7 @@ class ResumePoint:
     tag: str
     explicit: bool
     layout: dict[str, Any] | None = None
+    lora: dict[str, Any] | str | None = adapters.NOT_KNOWN  # the adapters it was trained with (checkpoint.adapters)
 
     @property
     def path(self) -> str:
@@ -65,6 +66,17 @@ class RunDir:
     @property
     def metrics_path(self) -> str:
         return os.path.join(self.output_dir, METRICS)
+
+    def check_adapters(self, lora: Any) -> None:
+        """Refuse to continue a checkpoint trained with other LoRA adapters than this run's ``dsrl.model.lora``
+        (:mod:`dsrl.checkpoint.adapters`); every rank raises the same ConfigError (the record was broadcast)."""
+        if self.resume is None:
+            return
+        try:
+            adapters.check_resume(self.resume.path, self.resume.lora, lora)
+        except ConfigError as e:
+            e.agreed = True
+            raise
 
     def release(self) -> None:
         if self.lock is not None:
@@ -171,8 +183,9 @@ def choose(ckpt_dir: str, tags: list[str], explicit: bool, checksums: bool,
         root = os.path.join(ckpt_dir, tag)
         bad = manifest.problems(root, checksums)
         if not bad:
-            layout = collectives.broadcast(manifest.engine_layout(root) if collectives.rank() == 0 else None)
-            return ResumePoint(ckpt_dir, tag, explicit, layout), notes
+            layout, lora = collectives.broadcast((manifest.engine_layout(root), adapters.saved_lora(root))
+                                                 if collectives.rank() == 0 else None)
+            return ResumePoint(ckpt_dir, tag, explicit, layout, lora), notes
         more = f" (and {len(bad) - 1} more problem(s))" if len(bad) > 1 else ""
         if explicit:
             raise ConfigError(f"{what}: checkpoint {root} is damaged: {bad[0]}{more}. Fix: use an earlier "

@@ -19,7 +19,27 @@ from pydantic.fields import FieldInfo
 
 
 class ConfigError(ValueError):
-    """A configuration problem, reported before any work starts. The message names field and fix."""
+    """A configuration problem, reported before any work starts. The message names field and fix.
+
+    ``problems``: each problem's own sentence (one for a single problem); :func:`problems_error` makes one error of
+    several, so a run file's every problem is reported at once. ``agreed`` is True when every rank raised the same
+    error (``launch/train.py`` then prints it from rank 0 only): set by :func:`dsrl.core.collectives.on_rank0` and
+    :func:`dsrl.core.collectives.agree`."""
+
+    agreed: bool = False
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+def problems_error(messages: list[str]) -> ConfigError:
+    """One ConfigError for several problems (each sentence once, in order): the sentence itself for one, else
+    "N problems:" and a list."""
+    unique = list(dict.fromkeys(messages))
+    if len(unique) == 1:
+        return ConfigError(unique[0])
+    return ConfigError(f"{len(unique)} problems:\n" + "\n".join(f"  - {m}" for m in unique), unique)
 
 
 _RANGE_OPS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
@@ -182,10 +202,8 @@ def config_error(error: ValidationError, model: type[BaseModel], prefix: str = "
         groups.setdefault(tuple(parts), []).append(e)
     messages = []
     for errs in groups.values():
-        _, text = _message(errs, model, prefix, own)
-        text = lead + text
-        if text not in messages:
-            messages.append(text)
-    if len(messages) == 1:
-        return ConfigError(messages[0])
-    return ConfigError(f"{len(messages)} problems:\n" + "\n".join(f"  - {m}" for m in messages))
+        causes = [(e.get("ctx") or {}).get("error") for e in errs if e["type"] == "value_error"]
+        several = next((c.problems for c in causes if isinstance(c, ConfigError) and len(c.problems) > 1), None)
+        texts = several if own and several else [_message(errs, model, prefix, own)[1]]
+        messages += [lead + text for text in texts]
+    return problems_error(messages)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import field_validator
 
 from dsrl.config.errors import ConfigError
-from dsrl.config.names import AUTO_BACKEND, COLOCATED, DISAGGREGATED, Placement, RolloutBackendName
+from dsrl.config.names import AUTO_BACKEND, COLOCATED, Placement, RolloutBackendName
 from dsrl.config.section import Section, setting
 
 
@@ -53,18 +53,6 @@ class RolloutConfig(Section):
              "the training state; on the CPU dsrl sizes the KV cache from the workload", gt=0, lt=1)
     logprob_micro_batch_size: int = setting(
         16, "sequences per no-grad log-prob forward on one rank", "sequences", gt=0)
-
-    @model_validator(mode="after")
-    def _generators_with_disaggregation(self) -> RolloutConfig:
-        """`generator_ranks` is at least 1 with `placement` "disaggregated" and 0 with "colocated"."""
-        if self.placement == DISAGGREGATED and self.generator_ranks < 1:
-            raise ConfigError(f"{self.PATH}.placement = 'disaggregated' needs {self.PATH}.generator_ranks >= 1 (the "
-                              "ranks that only generate). Fix: set generator_ranks, e.g. 1.")
-        if self.placement == COLOCATED and self.generator_ranks:
-            raise ConfigError(f"{self.PATH}.generator_ranks = {self.generator_ranks} with placement 'colocated', where "
-                              f"every rank generates. Fix: set {self.PATH}.placement to 'disaggregated', or "
-                              "generator_ranks to 0.")
-        return self
 
     @field_validator("stop_strings")
     @classmethod

@@ -14,7 +14,7 @@ from dsrl.config.model import ModelConfig
 from dsrl.config.names import ALGORITHM_LOSS_AGG, CRITIC_ALGORITHMS, DISAGGREGATED, GROUP_RELATIVE_ALGORITHMS
 from dsrl.config.rollout import RolloutConfig
 from dsrl.config.run import RunConfig, SchedulerConfig
-from dsrl.config.section import Section, setting
+from dsrl.config.section import Section, collected, report_collected, setting, start_collecting
 
 
 class DsrlConfig(Section):
@@ -36,11 +36,13 @@ class DsrlConfig(Section):
     @classmethod
     def _null_sections(cls, data: Any) -> Any:
         """A section given as null takes its defaults."""
+        start_collecting()
         if isinstance(data, dict):
             data = {k: ({} if v is None and k in cls.model_fields else v) for k, v in data.items()}
         return data
 
     @model_validator(mode="after")
+    @collected
     def _groups_can_differ(self) -> DsrlConfig:
         """A group-relative algorithm (grpo, dr_grpo, rloo, dapo) needs `batch.samples_per_prompt` >= 2: a group
         of one sample always has advantage 0, so the policy would never get a gradient."""
@@ -55,6 +57,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _critic_only_with_a_critic_algorithm(self) -> DsrlConfig:
         """A `critic` key is set only with an algorithm that trains a critic (ppo)."""
         if self.critic.model_fields_set and self.algorithm.name not in CRITIC_ALGORITHMS:
@@ -66,6 +69,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _overlong_buffer_fits(self) -> DsrlConfig:
         """`algorithm.overlong_buffer` is shorter than the completion bound: `rollout.max_new_tokens`, with
         `data.environment` `rollout.max_trajectory_tokens`."""
@@ -79,6 +83,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _turn_bounds_need_an_environment(self) -> DsrlConfig:
         """`rollout.max_turns` and `rollout.max_trajectory_tokens` keep their defaults unless `data.environment` is
         set (without one every sample is a single completion and they would do nothing)."""
@@ -92,6 +97,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _environment_timeout_below_collective_bound(self) -> DsrlConfig:
         """`data.environment_timeout_s`, when set with an environment, is smaller than `run.collective_timeout_s`:
         a stuck environment call must give up before the other ranks stop waiting for it."""
@@ -104,6 +110,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _token_budget_fits_a_sequence(self) -> DsrlConfig:
         """In token-budget mode `batch.max_tokens_per_micro_batch` holds the longest possible sequence
         (`data.max_prompt_tokens` + `rollout.max_new_tokens`, with `data.environment` + `rollout.max_trajectory_tokens`
@@ -120,6 +127,7 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
     def _reward_timeout_below_collective_bound(self) -> DsrlConfig:
         """`data.reward_timeout_s`, when set and a reward function is called (`data.reward_fn`, or a task's reward
         without `data.environment`), is smaller than `run.collective_timeout_s`: a reward call must give up before
@@ -133,6 +141,11 @@ class DsrlConfig(Section):
                 "reward_timeout_s or raise collective_timeout_s."
             )
         return self
+
+    @model_validator(mode="after")
+    def _report(self) -> DsrlConfig:
+        # not a rule: raises the problems every rule above found, together (dsrl.config.section.collected)
+        return report_collected(self)
 
     @property
     def max_staleness(self) -> int:

@@ -51,6 +51,10 @@ class RunConfig(Section):
         30.0, "a rank waiting at the end of a phase for another says, every this many seconds until "
               "collective_timeout_s, which rank it waits for, what that rank is doing (e.g. the sample its reward "
               "function or environment is working on) and for how long", "seconds", gt=0)
+    max_empty_rollouts: int = setting(
+        3, "rollouts in a row that train on nothing (every sample masked, e.g. a NaN reward, or every step skipped) "
+           "before the run stops with an error; each is warned about, and a run whose rollouts all trained on "
+           "nothing never ends with status 0", "rollouts", gt=0)
     stop_grace_s: float = setting(
         25.0, "after SIGTERM/SIGINT or the death of the launcher: finish the rollout and checkpoint if that fits "
               "in this time, else stop at the next mini-batch boundary; a rank still running after it exits",

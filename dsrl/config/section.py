@@ -18,12 +18,15 @@ horizon in :mod:`dsrl.backends.deepspeed.schedule`, those that need the data fil
 
 from __future__ import annotations
 
+import contextvars
+import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
-from dsrl.config.errors import ConfigError, config_error
+from dsrl.config.errors import ConfigError, config_error, problems_error
 
 
 def setting(default: Any = PydanticUndefined, doc: str = "", unit: str = "", **constraints: Any) -> Any:
@@ -51,6 +54,43 @@ class Section(BaseModel):
             super().__setattr__(name, value)
         except ValidationError as e:
             raise config_error(e, type(self), self.PATH) from None
+
+
+_COLLECTED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("dsrl_config_problems", default=None)
+
+
+def collected(rule: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Wrap a model rule (under ``@model_validator(mode="after")``) so that its ConfigError is kept with the other
+    collected rules' instead of stopping them; the model's last validator, :func:`report_collected`, raises them
+    together (a run file's every cross-section problem at once). The rule's docstring stays its documentation."""
+
+    @functools.wraps(rule)
+    def run(self: Any) -> Any:
+        try:
+            return rule(self)
+        except ConfigError as e:
+            found = _COLLECTED.get()
+            if found is None:
+                found = []
+                _COLLECTED.set(found)
+            found.extend(e.problems)
+            return self
+
+    return run
+
+
+def start_collecting() -> None:
+    """Forget problems a validation that ended abnormally left behind (call at the start of a model's validation)."""
+    _COLLECTED.set(None)
+
+
+def report_collected(model: Any) -> Any:
+    """Raise the problems the :func:`collected` rules found (one ConfigError, every problem listed), if any."""
+    found = _COLLECTED.get()
+    _COLLECTED.set(None)
+    if found:
+        raise problems_error(found)
+    return model
 
 
 def exactly_one(path: str, a: str, a_value: Any, a_means: str, b: str, b_value: Any, b_means: str) -> None:

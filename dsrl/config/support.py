@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dsrl.config.errors import ConfigError
+from dsrl.config.errors import problems_error
 from dsrl.config.names import (
     ALGORITHM_DEFAULTS,
     CB_BACKEND,
@@ -278,8 +278,20 @@ def refusals(setup: Setup, rules: tuple[Rule, ...] = RULES) -> list[Rule]:
 def check(dsrl: DsrlConfig, ds_config: dict[str, Any]) -> None:
     """Raise one ConfigError naming every rule the run file breaks (none: return)."""
     setup = Setup.of(dsrl, ds_config)
-    messages = [rule.message(setup) for rule in refusals(setup)]
-    if len(messages) == 1:
-        raise ConfigError(messages[0])
+    messages = _generator_ranks_problems(dsrl) + [rule.message(setup) for rule in refusals(setup)]
     if messages:
-        raise ConfigError(f"{len(messages)} problems:\n" + "\n".join(f"  - {m}" for m in messages))
+        raise problems_error(messages)
+
+
+def _generator_ranks_problems(dsrl: DsrlConfig) -> list[str]:
+    """`rollout.generator_ranks` is at least 1 with `rollout.placement` "disaggregated" and 0 with "colocated" (not a
+    combination rule: the placement is one setting in two keys), reported with the combination rules, so that a
+    run file switched between placements hears of every key to change at once."""
+    r = dsrl.rollout
+    if r.placement == DISAGGREGATED and r.generator_ranks < 1:
+        return ["dsrl.rollout.placement = 'disaggregated' needs dsrl.rollout.generator_ranks >= 1 (the ranks that "
+                "only generate). Fix: set generator_ranks, e.g. 1."]
+    if r.placement == COLOCATED and r.generator_ranks:
+        return [f"dsrl.rollout.generator_ranks = {r.generator_ranks} with placement 'colocated', where every rank "
+                "generates. Fix: set dsrl.rollout.placement to 'disaggregated', or generator_ranks to 0."]
+    return []

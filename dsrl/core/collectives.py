@@ -124,6 +124,42 @@ def on_rank0(fn: Callable[[], T]) -> T:
     raise err
 
 
+def outcome(error: BaseException | None) -> tuple[str, str] | None:
+    """What a rank's checks ended with, as it travels to the other ranks: ``None`` (all well), or the kind
+    (``"config"`` or ``"run"``) and the sentence of a ConfigError / RunError."""
+    if error is None:
+        return None
+    return ("config" if isinstance(error, ConfigError) else "run", str(error))
+
+
+def shared_error(outcomes: list[tuple[str, str] | None]) -> Exception | None:
+    """The one error every rank raises for the ranks' :func:`outcome` values (in rank order), marked ``agreed``
+    (printed once, by rank 0): a ConfigError if any rank had one (exit status 2), else a RunError; each distinct
+    sentence once, in rank order (several: "N problems:" and a list, like a run file's own errors)."""
+    found = [o for o in outcomes if o is not None]
+    if not found:
+        return None
+    kind = "config" if any(k == "config" for k, _ in found) else "run"
+    texts = list(dict.fromkeys(text for k, text in found if k == kind))
+    message = texts[0] if len(texts) == 1 else f"{len(texts)} problems:\n" + "\n".join(f"  - {t}" for t in texts)
+    err = _SHARED_ERRORS[kind](message)
+    err.agreed = True  # type: ignore[attr-defined]
+    return err
+
+
+def agree(error: BaseException | None) -> None:
+    """The checks every rank ran before its first collective work, agreed on (one all-gather): if any rank's
+    ended in a ConfigError or RunError, every rank raises :func:`shared_error` of them. ``error`` is this rank's
+    (None: its checks passed). Alone: ``error`` itself is raised."""
+    if world() == 1:
+        if error is not None:
+            raise error
+        return
+    err = shared_error(all_gather(outcome(error)))
+    if err is not None:
+        raise err
+
+
 def all_reduce_floats(values: list[float], op: Any = None, device: Any = "cpu") -> list[float]:
     """Sum (or ``op``) a short list of floats over all ranks of the default group (in float64, on ``device``);
     a no-op on one process."""

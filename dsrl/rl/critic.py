@@ -18,12 +18,20 @@ Invariants kept here:
 - every forward goes through the engine and through :meth:`RLEngine.forward_no_grad` /
   :meth:`RLEngine.train_mini_batch`, so every rank runs the same number of forwards and backwards
   (ZeRO-3 gathers parameters in each one).
+
+The seam: the trainer and the experience maker see the critic as one collaborator, a :class:`Critic` or the
+:data:`NO_CRITIC` null object (an algorithm without a value model), with the same four duties -- the rollout's
+values (:meth:`Critic.add_values`), one step per mini-batch (:meth:`Critic.train_mini_batch`), its engine in the
+checkpoint (:meth:`Critic.companions`) and its metrics -- and one attribute, ``present``, for the one decision it
+implies elsewhere (advantages by GAE from its values, or group advantages). Whether a run has a critic is decided
+once, by :func:`prepare_critic` (None without one) and :func:`build_critic`.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +41,9 @@ from dsrl.algos.losses import clipped_value_loss
 from dsrl.backends.deepspeed.engine import EngineSpec, initialize, prepare
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.config.names import TOKEN_MEAN
+from dsrl.rl.data.batching import Sample, completion_values
+from dsrl.runtime.metrics import CRITIC_STEP_METRICS, critic_record
+from dsrl.runtime.phases import PhaseClock
 
 # ds_config sections that write files: the critic's engine leaves them to the policy's (dsrl logs the
 # critic's metrics through the policy engine's monitor, with a "critic_" prefix).
@@ -68,9 +79,12 @@ def critic_config(cfg: Config) -> Config:
     return load_config({**ds, "dsrl": section})
 
 
-def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec:
+def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec | None:
     """The critic's :class:`EngineSpec`: its half of the run file validated as the policy's is (DeepSpeed's own
-    classes, the schedule with the critic's horizon), once, before any model is built."""
+    classes, the schedule with the critic's horizon), once, before any model is built; None when the algorithm
+    trains no value model (the one place that decides)."""
+    if not cfg.dsrl.has_critic:
+        return None
     ccfg = critic_config(cfg)  # AutoTP and Ulysses are refused with the run file (dsrl.config.support)
     try:
         return prepare(ccfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
@@ -119,12 +133,16 @@ def forward_values(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class Critic:
-    """The value model's RLEngine and the three things the trainer asks of it: rollout values, one exact
-    optimizer step per mini-batch, and its part of a checkpoint (``rl``, saved as a companion)."""
+    """The value model's RLEngine and what the trainer and the experience maker ask of it (module docstring): the
+    rollout's values, one exact optimizer step per mini-batch (its results kept for the rollout's metrics), its
+    engine in the checkpoint (a companion of the policy's)."""
+
+    present = True
 
     def __init__(self, rl: Any, value_clip: float | None):
         self.rl = rl
         self.value_clip = value_clip
+        self.results: list[Any] = []  # this rollout's step results
 
     @classmethod
     def build(cls, spec: EngineSpec, tokenizer: Any, seed: int) -> Critic:
@@ -143,6 +161,70 @@ class Critic:
         loss, m = clipped_value_loss(values, micro["old_values"], micro["returns"], self.value_clip)
         return loss, {"vf_clip_frac": m["vf_clip_frac"], "value": values.detach(), "return": micro["returns"]}
 
+    def add_values(self, samples: Sequence[Sample], groups: Sequence[Sequence[Sample]],
+                   micro_batches: Sequence[dict[str, torch.Tensor]], phases: PhaseClock) -> None:
+        """Each sample's ``values``: V(s_t) at its completion tokens, from the micro-batch ``micro_batches[i]`` that
+        collates ``groups[i]`` (``samples``: the groups' samples in order), once per rollout, before any update,
+        timed as the ``critic_values`` phase (one device-to-host copy for the pass)."""
+        with phases.phase("critic_values"):
+            for s, values in zip(samples, completion_values(groups, self.values(micro_batches))):
+                s.values = values
+
+    def begin_rollout(self) -> None:
+        self.results = []
+
     def train_mini_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
-        """One exact optimizer step of the critic over the same micro-batches the policy steps on."""
-        return self.rl.train_mini_batch(micro_batches, self.loss_fn)
+        """One exact optimizer step of the critic over the same micro-batches the policy steps on (timed in
+        ``step_s``, kept for :meth:`rollout_metrics`)."""
+        t0 = time.perf_counter()
+        res = self.rl.train_mini_batch(micro_batches, self.loss_fn)
+        res["step_s"] = time.perf_counter() - t0
+        self.results.append(res)
+        return res
+
+    def companions(self) -> dict[str, Any]:
+        """The engines saved and resumed in the policy's checkpoint commit."""
+        return {"critic": self.rl}
+
+    @staticmethod
+    def step_metrics(res: Any) -> dict[str, Any]:
+        """The critic's part of a step row of metrics.jsonl (``critic_<name>``)."""
+        return {f"critic_{k}": res[k] for k in CRITIC_STEP_METRICS if k in res}
+
+    def rollout_metrics(self) -> dict[str, Any]:
+        """The critic's part of the rollout row (empty without steps)."""
+        return critic_record(self.results)
+
+
+class NoCritic:
+    """The critic of an algorithm without a value model: no values, no steps, nothing saved, no metrics."""
+
+    present = False
+    results: tuple[Any, ...] = ()
+
+    def add_values(self, samples: Sequence[Sample], groups: Sequence[Sequence[Sample]],
+                   micro_batches: Sequence[dict[str, torch.Tensor]], phases: PhaseClock) -> None:
+        return None
+
+    def begin_rollout(self) -> None:
+        return None
+
+    def train_mini_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> None:
+        return None
+
+    def companions(self) -> dict[str, Any]:
+        return {}
+
+    def step_metrics(self, res: Any) -> dict[str, Any]:
+        return {}
+
+    def rollout_metrics(self) -> dict[str, Any]:
+        return {}
+
+
+NO_CRITIC = NoCritic()
+
+
+def build_critic(spec: EngineSpec | None, tokenizer: Any, seed: int) -> Critic | NoCritic:
+    """The run's critic from :func:`prepare_critic`'s spec, or :data:`NO_CRITIC` when it gave none."""
+    return NO_CRITIC if spec is None else Critic.build(spec, tokenizer, seed)

@@ -40,15 +40,17 @@ import torch.distributed as dist
 from dsrl import algos
 from dsrl.algos.correction import Mismatch, correct
 from dsrl.algos.losses import kl_estimate
-from dsrl.config import DsrlConfig
+from dsrl.config import AlgorithmConfig, DataConfig, DsrlConfig, RolloutConfig
 from dsrl.core.collectives import all_reduce_floats
 from dsrl.core.logprobs import token_logprobs
 from dsrl.core.plan import BatchPlan
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.data.batching import Sample, chunks, collate, completion_positions
+from dsrl.rl.critic import NO_CRITIC, Critic, NoCritic
+from dsrl.rl.data.batching import Sample, chunks, collate, completion_positions, completion_values
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import is_source, share_with_tensor_peers
-from dsrl.rl.episodes.driver import generate_trajectory_groups
+from dsrl.rl.episodes.driver import EpisodeRunner, score_trajectories
+from dsrl.rl.episodes.environment import ObservationEncoder
 from dsrl.rl.episodes.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, model_mask
 from dsrl.rl.policy.model import forward_logits
 from dsrl.rollout.base import RolloutBackend
@@ -179,6 +181,22 @@ class RolloutStats:
         return RolloutStats(**dict(zip(names, totals)), **dict(zip(maxima, tops)))
 
 
+@dataclass(frozen=True)
+class ExperienceSettings:
+    """What of the run file one rollout's experience reads: its sections ``algorithm``, ``rollout`` and ``data``, the
+    run's seed, and the most tokens a sample holds after its prompt (``DsrlConfig.max_completion_tokens``)."""
+
+    algorithm: AlgorithmConfig
+    rollout: RolloutConfig
+    data: DataConfig
+    seed: int
+    max_completion_tokens: int
+
+    @classmethod
+    def of(cls, d: DsrlConfig) -> ExperienceSettings:
+        return cls(d.algorithm, d.rollout, d.data, d.run.seed, d.max_completion_tokens)
+
+
 @dataclass
 class Rewards:
     """What scores a rollout's completions: the rule reward (a task's or ``data.reward_fn``, already guarded by
@@ -194,19 +212,23 @@ class Rewards:
 class ExperienceMaker:
     """Generates, scores and prepares this rank's samples of each rollout (module docstring).
 
-    Collaborators, each used for what its name says: ``policy`` (the RLEngine: its parallel view, device
-    and no-grad forwards for the old log-probs), ``backend`` (generation), ``prompts`` (the prompt stream
-    and its encoding), ``rewards``, ``algo`` (the resolved algorithm), and optionally ``ref_model`` (KL
-    reference), ``critic`` (values), ``watch`` (bounded phase ends) and ``phases`` (the
-    :class:`dsrl.runtime.phases.PhaseClock` that times generation, rewards and the no-grad passes)."""
+    ``settings`` (:class:`ExperienceSettings`, kept as ``d``) are the run file's parts it reads. Collaborators,
+    each used for what its name says: ``policy`` (the RLEngine: its parallel view, device and no-grad forwards for
+    the old log-probs), ``backend`` (generation), ``prompts`` (the prompt stream and its encoding), ``rewards``,
+    ``algo`` (the resolved algorithm), and optionally ``ref_model`` (KL reference), ``critic``
+    (:class:`dsrl.rl.critic.Critic`, or :data:`dsrl.rl.critic.NO_CRITIC`), ``watch`` (bounded phase ends) and
+    ``phases`` (the :class:`dsrl.runtime.phases.PhaseClock` that times generation, rewards and the no-grad passes).
+    With an environment in ``rewards``, each sampling round is one of multi-turn trajectories, run by an
+    :class:`dsrl.rl.episodes.driver.EpisodeRunner` built here from these collaborators."""
 
     moe: Any = None  # dsrl.rl.policy.moe.PolicyRouting of a mixture-of-experts policy, else None
     route_mismatch: Any = None  # the last score_logprobs' RouteMismatch (MoE)
 
-    def __init__(self, cfg: DsrlConfig, plan: BatchPlan, policy: Any, backend: RolloutBackend, tokenizer: Any,
-                 prompts: PromptSource, rewards: Rewards, algo: algos.ResolvedAlgorithm, *, ref_model: Any = None,
-                 critic: Any = None, watch: Any = None, phases: PhaseClock | None = None, moe: Any = None):
-        self.d, self.plan, self.policy, self.backend = cfg, plan, policy, backend
+    def __init__(self, settings: ExperienceSettings, plan: BatchPlan, policy: Any, backend: RolloutBackend,
+                 tokenizer: Any, prompts: PromptSource, rewards: Rewards, algo: algos.ResolvedAlgorithm, *,
+                 ref_model: Any = None, critic: Critic | NoCritic = NO_CRITIC, watch: Any = None,
+                 phases: PhaseClock | None = None, moe: Any = None):
+        self.d, self.plan, self.policy, self.backend = settings, plan, policy, backend
         self.tokenizer, self.prompts, self.rewards, self.algo = tokenizer, prompts, rewards, algo
         self.ref_model, self.critic, self.watch = ref_model, critic, watch or _NO_WATCH
         self.phases = phases or PhaseClock()
@@ -216,6 +238,12 @@ class ExperienceMaker:
         self.pad_id = tokenizer.pad_token_id
         self._rm_fillers = 0
         self.version = 0  # the policy version of the weights generating now (colocated: the rollout index)
+        self.episodes: EpisodeRunner | None = None  # multi-turn rollouts (dsrl.rl.episodes.driver)
+        if rewards is not None and rewards.environment is not None:
+            self.episodes = EpisodeRunner(
+                backend, tokenizer, rewards.environment, ObservationEncoder(tokenizer, settings.data.chat_template),
+                settings.rollout.max_turns, settings.rollout.max_trajectory_tokens, self.view, policy.device,
+                self.watch, self.phases)
 
     @property
     def device(self) -> Any:
@@ -229,21 +257,33 @@ class ExperienceMaker:
         return idx[self.replica * per:(self.replica + 1) * per]
 
     def _generate_groups(self, indices: list[int], seed: int) -> list[list[Sample]]:
-        if self.rewards.environment is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes.driver)
-            return generate_trajectory_groups(self, indices, seed)
         records, prompt_ids = self.prompts.encode(indices)
+        if self.episodes is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes.driver)
+            trajs = self.episodes.run(records, prompt_ids, self.plan.samples_per_prompt, seed, labels=indices)
+            with self.watch.phase("reward"), self.phases.phase("reward"):
+                scores = self._model_scores([t.tokens for t in trajs])
+                r = self.rewards
+                return share_with_tensor_peers(self.view, lambda: score_trajectories(
+                    indices, records, trajs, reward_fn=r.reward_fn, accuracy_fn=r.accuracy_fn, data=self.d.data,
+                    version=self.version, model_scores=scores))
         with self.watch.phase("generation"), self.phases.phase("generate"):
             # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
             completions = self.backend.generate(prompt_ids, self.plan.samples_per_prompt, seed=seed)
         with self.watch.phase("reward"), self.phases.phase("reward"):
-            scores = None
-            model = self.rewards.model
-            if model is not None:  # on every rank: a sharded reward model's forwards are collective
-                before = model.filler_forwards
-                scores = model.score([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
-                self._rm_fillers += model.filler_forwards - before
+            scores = self._model_scores([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
             # Tensor peers adopt their source's scored samples (dsrl.rl.data.replica rule 2).
             return share_with_tensor_peers(self.view, lambda: self._score(indices, records, completions, scores))
+
+    def _model_scores(self, sequences: list[list[int]]) -> list[float] | None:
+        """The learned reward model's scores of ``sequences`` (None without one), on every rank: a sharded reward
+        model's forwards are collective; its filler forwards are counted for the rollout's statistics."""
+        model = self.rewards.model
+        if model is None:
+            return None
+        before = model.filler_forwards
+        scores = model.score(sequences)
+        self._rm_fillers += model.filler_forwards - before
+        return scores
 
     def _score(self, indices: list[int], records: list[dict], completions: list,
                model_scores: list[float] | None = None) -> list[list[Sample]]:
@@ -294,7 +334,7 @@ class ExperienceMaker:
         dynamic = self.algo.dynamic_sampling
         take = mine
         while True:
-            seed = derived_seed(self.d.run.seed, rollout_index, rounds, self.replica)
+            seed = derived_seed(self.d.seed, rollout_index, rounds, self.replica)
             groups = self._generate_groups(take, seed)
             rounds += 1
             counted = float(is_source(self.view))  # statistics count each replica's data once
@@ -337,10 +377,7 @@ class ExperienceMaker:
                     else self._moe_logprobs(groups, micros, fn))
             for s, values in zip(samples, completion_values(groups, outs)):
                 s.old_logprobs = values
-        if self.critic is not None:
-            with self.phases.phase("critic_values"):
-                for s, values in zip(samples, completion_values(groups, self.critic.values(micros))):
-                    s.values = values
+        self.critic.add_values(samples, groups, micros, self.phases)  # V(s_t) per completion token (with a critic)
         if self.ref_model is None:
             return
         with torch.no_grad(), self.phases.phase("ref_logprobs"):
@@ -354,7 +391,7 @@ class ExperienceMaker:
                     self.moe.release()
             for s, values in zip(samples, completion_values(groups, refs)):
                 s.ref_logprobs = values
-        if self.d.algorithm.kl_in == "reward" and self.critic is None:  # with a critic: per token, in gae_advantages
+        if self.d.algorithm.kl_in == "reward" and not self.critic.present:  # with a critic: per token, in GAE
             coef = self.d.algorithm.kl_coef
             for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)
                 kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1")
@@ -484,14 +521,14 @@ class ExperienceMaker:
         self.backend.sync_weights()
         self.version = rollout_index
         samples, stats, rounds = self.collect(rollout_index)
-        timing = getattr(self.backend, "take_timing", dict)()
+        timing = self.backend.take_timing()
         stats.wait_s, stats.publish_s = timing.get("wait_s", 0.0), timing.get("publish_s", 0.0)
         stats.generator_s, stats.generator_idle_s = timing.get("generation_s", 0.0), timing.get("idle_s", 0.0)
         self.score_logprobs(samples)
         if self.moe is not None and self.route_mismatch is not None:
             stats.add_route_mismatch(self.route_mismatch)
         self.correct_off_policy(samples, stats)
-        if self.critic is not None:
+        if self.critic.present:  # per token by GAE from its values, else per group from the rewards
             self.gae_advantages(samples)
         else:
             self.advantages(samples)
@@ -500,21 +537,6 @@ class ExperienceMaker:
             stats.add_staleness(samples, trainer_version=rollout_index)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds
-
-
-def completion_values(groups: list[list[Sample]], outs: list[torch.Tensor]) -> list[list[float]]:
-    """Each sample's completion positions of a pass's ``[b, t]`` outputs (one per micro-batch ``groups[i]``), as
-    lists, in sample order, with one device-to-host copy for the whole pass (ARCHITECTURE §4: a no-grad pass
-    synchronizes the device at most once, at its end)."""
-    pieces = [row[sl] for g, out in zip(groups, outs) for row, sl in zip(out, completion_positions(g))]
-    if not pieces:
-        return []
-    flat = torch.cat(pieces).cpu().tolist()
-    values, at = [], 0
-    for piece in pieces:
-        values.append(flat[at:at + len(piece)])
-        at += len(piece)
-    return values
 
 
 def _on_host(outs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from dsrl.config import ConfigError, DsrlConfig
+from dsrl.config import ConfigError, DataConfig, RolloutConfig, SftConfig
 from dsrl.core.logprobs import token_logprobs
 from dsrl.core.partition import partition_mini_batch
 from dsrl.core.plan import BatchPlan
@@ -42,28 +42,32 @@ from dsrl.rl.policy.model import forward_logits
 
 
 class SupervisedWarmup:
-    """The ``dsrl.sft`` phase (module docstring): ``policy`` (the RLEngine) takes ``cfg.sft.steps`` exact steps on
+    """The ``dsrl.sft`` phase (module docstring): ``policy`` (the RLEngine) takes ``sft.steps`` exact steps on
     (prompt, reference answer) pairs of ``prompts`` (a :class:`dsrl.rl.data.prompts.PromptSource`), partitioned by
-    ``plan``."""
+    ``plan``. It reads its own section ``sft``, and of the others what shapes its sequences: ``data`` (the answer
+    column, the environment and its chat template), ``rollout`` (the length limits, the stop tokens) and the run's
+    ``seed``."""
 
-    def __init__(self, cfg: DsrlConfig, plan: BatchPlan, policy: Any, tokenizer: Any, prompts: PromptSource):
-        self.d, self.plan, self.policy, self.pad_id = cfg, plan, policy, tokenizer.pad_token_id
+    def __init__(self, sft: SftConfig, plan: BatchPlan, policy: Any, tokenizer: Any, prompts: PromptSource, *,
+                 data: DataConfig, rollout: RolloutConfig, seed: int):
+        self.sft, self.data, self.rollout, self.seed = sft, data, rollout, seed
+        self.plan, self.policy, self.pad_id = plan, policy, tokenizer.pad_token_id
         pool = [i for i, r in enumerate(prompts.records) if isinstance(r.get("answer"), str)]
         if not pool:
             raise ConfigError(
-                f"dsrl.sft.steps = {cfg.sft.steps} needs reference answers, but no prompt has a string answer "
-                f"(dsrl.data.answer_key = {cfg.data.answer_key!r}). Fix: point answer_key at a text column, use a "
+                f"dsrl.sft.steps = {sft.steps} needs reference answers, but no prompt has a string answer "
+                f"(dsrl.data.answer_key = {data.answer_key!r}). Fix: point answer_key at a text column, use a "
                 "built-in task, or set dsrl.sft.steps to 0."
             )
         records, prompt_ids = prompts.encode(pool)
         self._trajectories: dict[int, Sample] = {}
         self._demo: Callable[[int], Sample] | None = None
-        if cfg.data.environment:
+        if data.environment:
             self._demo = self._demonstrations(tokenizer, pool, records, prompt_ids)
             self.pairs = pool  # drawn by index; each trajectory is built when first drawn
             return
         answers = tokenizer([r["answer"] for r in records], add_special_tokens=False)["input_ids"]
-        limit = cfg.rollout.max_new_tokens
+        limit = rollout.max_new_tokens
         eos = tokenizer.eos_token_id
         self.pairs = [(list(p), (list(a) + [eos])[:limit]) for p, a in zip(prompt_ids, answers)]
 
@@ -74,21 +78,20 @@ class SupervisedWarmup:
         from dsrl.rl.episodes.environment import ObservationEncoder, load_environment
         from dsrl.rollout.base import stop_token_ids
 
-        d = self.d
-        env = load_environment(d.data)
-        encoder = ObservationEncoder(tokenizer, d.data.chat_template)
-        stops = stop_token_ids(tokenizer, None, d.rollout)
+        env = load_environment(self.data)
+        encoder = ObservationEncoder(tokenizer, self.data.chat_template)
+        stops = stop_token_ids(tokenizer, None, self.rollout)
 
         def make(i: int) -> Sample:
             t = demonstration(env, tokenizer, encoder, stops, records[i], prompt_ids[i],
-                              d.rollout.max_trajectory_tokens, label=pool[i])
+                              self.rollout.max_trajectory_tokens, label=pool[i])
             return t.sample(group=-1, reward=0.0)
 
         return make
 
     def samples(self, step: int) -> list[Sample]:
         """The mini-batch of step ``step`` (0-based): B (prompt, answer) sequences, the same on every rank."""
-        rng = random.Random(f"dsrl-sft:{self.d.run.seed}:{step}")
+        rng = random.Random(f"dsrl-sft:{self.seed}:{step}")
         picks = [rng.randrange(len(self.pairs)) for _ in range(self.plan.mini_batch_size)]
         if self._demo is not None:
             for i in picks:
@@ -109,7 +112,7 @@ class SupervisedWarmup:
 
     def run(self, on_step: Callable[[int, Any], None]) -> None:
         """Run every warm-up step; ``on_step(step, result)`` after each."""
-        for step in range(self.d.sft.steps):
+        for step in range(self.sft.steps):
             samples = self.samples(step)
             per_rank = partition_mini_batch(range(len(samples)), [s.length for s in samples], self.plan)
             micros = my_micro_batches(samples, per_rank, self.policy.view, self.pad_id, self.policy.device,

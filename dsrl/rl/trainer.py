@@ -14,7 +14,7 @@ One rollout, on every rank:
    so a rank receives about R/D samples, not R (:mod:`dsrl.rl.data.replica`: tensor peers get
    identical micro-batches); every mini-batch is one ``RLEngine.train_mini_batch`` call, i.e. one
    optimizer step;
-3. with a critic (ppo, :mod:`dsrl.critic`) the critic takes one exact step on the same micro-batches
+3. with a critic (ppo, :mod:`dsrl.rl.critic`) the critic takes one exact step on the same micro-batches
    right after the policy's; in the first ``critic.warmup_rollouts`` rollouts only the critic steps.
    Both engines are saved in one checkpoint commit and resume together.
 
@@ -42,26 +42,31 @@ from dsrl import algos
 from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
 from dsrl.backends.deepspeed.engine import RLEngine, ensure_distributed, initialize, on_gpu, prepare
 from dsrl.backends.deepspeed.frozen import FrozenModel, frozen_engine
+from dsrl.checkpoint import adapters
 from dsrl.checkpoint.commit import latest_complete_tag
 from dsrl.checkpoint.engines import load_engines, save_engines
 from dsrl.checkpoint.export import export_checkpoint, write_hf_meta
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.checkpoint.run_dir import FINAL_MODEL, check_free_space, open_run_dir
 from dsrl.config import Config, ConfigError, load_config
-from dsrl.config.names import VLLM_BACKEND
 from dsrl.core import collectives, timeouts
 from dsrl.core.errors import RunError
 from dsrl.core.logprobs import token_entropy, token_logprobs
 from dsrl.core.partition import mini_batches, partition_mini_batch
 from dsrl.core.seeds import derived_seed
+from dsrl.rl.critic import build_critic, prepare_critic
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.replica import RolloutIndex, is_source, my_micro_batches
 from dsrl.rl.disagg.remote import GenerationStopped
 from dsrl.rl.disagg.roles import Role
-from dsrl.rl.experience import ExperienceMaker, Rewards
+from dsrl.rl.empty_rollouts import EmptyRollouts, RolloutOutcome
+from dsrl.rl.experience import ExperienceMaker, ExperienceSettings, Rewards
 from dsrl.rl.policy.model import forward_logits
 from dsrl.rl.rewards.contract import all_timed_out
-from dsrl.runtime.metrics import CRITIC_STEP_METRICS, MetricsWriter, critic_record, rollout_record
+from dsrl.rl.rewards.functions import load_accuracy_fn
+from dsrl.rollout.base import RolloutBackend
+from dsrl.runtime.metrics import MetricsWriter, rollout_record
+from dsrl.runtime.peers import Peers
 from dsrl.runtime.phases import PhaseClock, phase_record
 from dsrl.runtime.stop import StopControl, StopRun
 from dsrl.runtime.watchdog import Watch
@@ -79,12 +84,8 @@ class Trainer:
                  resume: str | None = None, role: Role | None = None):
         """``role``: this rank's :class:`dsrl.rl.disagg.roles.Role` in a disaggregated job (made by
         :func:`dsrl.rl.disagg.roles.split_world`, which every rank calls first); None when colocated."""
-        from dsrl.rl.data.prompts import PromptSampler, PromptSource, load_prompts
-        from dsrl.rl.episodes.environment import load_environment
-        from dsrl.rl.policy.model import build_model, frozen_copy, resolve_dtype
-        from dsrl.rl.policy.tokenizer import load_tokenizer
-        from dsrl.rl.rewards.functions import load_accuracy_fn, load_reward_fn
-        from dsrl.rollout import make_backend
+        from dsrl.rl.data.prompts import PromptSampler, PromptSource
+        from dsrl.rl.policy.model import frozen_copy
 
         self.cfg = load_config(config, overrides)
         d = self.cfg.dsrl
@@ -97,34 +98,32 @@ class Trainer:
         ensure_distributed(d.run.join_timeout_s, d.run.collective_timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.on_gpu = on_gpu()
+        self.role = role
+        # Every rank's host and process, so that a rank that ended is named by role, rank and host whichever side
+        # notices first (dsrl.runtime.peers): the job's store when disaggregated (generators included), else the
+        # default group's.
+        self.peers = role.peers if role is not None else Peers.of_default_group()
+        self.stop.peers = self.peers
         torch.manual_seed(d.run.seed)  # identical initial weights on every rank
         random.seed(derived_seed(d.run.seed, self.rank))
 
-        self.tokenizer = load_tokenizer(d.model)
-        self.prompts = load_prompts(d.data, seed=d.run.seed)
-        reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
-        environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes.driver), or None
-        tok = self.tokenizer
-        _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
-        # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
-        # ds_config and the schedule made here are the ones the engine is built from.
-        spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
-        from dsrl.rl.policy.moe import check_moe_run
-
-        moe_layout = check_moe_run(self.cfg, self.on_gpu)  # mixture-of-experts settings (dsrl.rl.policy.moe), first
-        critic_spec = None
-        if d.has_critic:
-            from dsrl.rl.critic import prepare_critic
-
-            critic_spec = prepare_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)
+        # Every check that needs no collective work runs first, on every rank of the job (generator ranks run
+        # theirs), and the ranks agree on the outcome before anything is touched on disk or built collectively: a
+        # configuration error is reported once, by rank 0, together with every other rank's, and every rank stops.
+        problem: ConfigError | RunError | None = None
+        try:
+            spec, critic_spec, reward_fn, environment = self._check()
+        except (ConfigError, RunError) as e:
+            problem = e
+        if role is not None:
+            role.agree(problem)  # with the generator ranks (dsrl.rl.disagg.roles)
+        else:
+            collectives.agree(problem)
+        tok, model = self.tokenizer, self.side.model
         # The output directory: lock, refusals, the verified checkpoint to continue from (dsrl.checkpoint.run_dir).
         self.run_dir = open_run_dir(d.run, checksums=d.run.checkpoint_checksums)
-        model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=self.on_gpu,
-                            seed=d.run.seed)
+        self.run_dir.check_adapters(d.model.lora)  # the checkpoint's adapters are this run's (before the engine)
         check_free_space(self.run_dir, model, d.run)
-        if d.rollout.backend == VLLM_BACKEND and role is None:  # with generator ranks, they check it themselves
-            self._check_vllm(model)
         # The KL reference: a frozen copy, or for LoRA the policy itself with its adapters disabled (no copy).
         self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 and d.model.lora is None else None
         self.rl: RLEngine = initialize(model, spec)
@@ -138,7 +137,7 @@ class Trainer:
 
             self.ref_model = AdaptersDisabled(self.rl)
         self.moe = None  # the routing duties of an MoE policy's forwards (dsrl.rl.policy.moe)
-        if moe_layout is not None:
+        if self.moe_layout is not None:
             from dsrl.rl.policy.moe import PolicyRouting
 
             self.moe = PolicyRouting(d.model, self.rl.engine, ref_module)
@@ -148,33 +147,31 @@ class Trainer:
 
             self.reward_model = RewardModel.load(d.data.reward_model, tok, self.rl, on_gpu=self.on_gpu,
                                                  micro_batch_size=d.rollout.logprob_micro_batch_size)
-        self.critic, self.critic_results = None, []
-        if d.has_critic:
-            from dsrl.rl.critic import Critic
-
-            self.critic = Critic.build(critic_spec, tok, seed=d.run.seed)
+        self.critic = build_critic(critic_spec, tok, seed=d.run.seed)  # the value model, or NO_CRITIC
         self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
                                      last_rollout=d.run.last_rollout)
         self.prompt_source = PromptSource(self.prompts, self.sampler, tok, d.data)
-        self.role = role
         if role is not None:  # completions come from the generator ranks (dsrl.rl.disagg.remote)
             from dsrl.rl.disagg.remote import RemoteRolloutBackend
 
-            self.backend = RemoteRolloutBackend(role, self.rl, d, self.plan, self.prompt_source, self.stop)
+            self.backend: RolloutBackend = RemoteRolloutBackend(role, self.rl, d, self.plan, self.prompt_source,
+                                                                self.stop)
         else:
-            self.backend = make_backend(d.rollout, self.rl, tok, **self._backend_kwargs())
+            self.backend = self.side.backend(self.rl, self.plan.prompts_per_rank)
         self.pad_id = tok.pad_token_id
         self.algo = algos.resolve_algorithm(d.algorithm)
         self.output_dir = d.run.output_dir
         self.ckpt_dir = os.path.join(self.output_dir, CHECKPOINT_SUBDIR)
         self.rollout_index = 0
         self.calls = 0  # mini-batches trained (applied or skipped)
+        self.empty = EmptyRollouts(d.run.max_empty_rollouts)  # rollouts in a row that trained on nothing
         # phase ends bounded, missing ranks named, waits reported (runtime.watchdog)
         self.watch = Watch(d.run.collective_timeout_s, d.run.wait_report_s)
+        self.watch.peers = self.peers
         # seconds, tokens and peak memory per phase of each rollout, in its metrics row (dsrl.runtime.phases)
         self.phases = PhaseClock(get_accelerator())
         self.experience = ExperienceMaker(
-            d, self.plan, self.rl, self.backend, tok, self.prompt_source,
+            ExperienceSettings.of(d), self.plan, self.rl, self.backend, tok, self.prompt_source,
             Rewards(reward_fn, load_accuracy_fn(d.data), self.reward_model, environment), self.algo,
             ref_model=self.ref_model, critic=self.critic, watch=self.watch, phases=self.phases, moe=self.moe)
         self.resume_notice: str | None = None  # set by an elastic resume (another world size)
@@ -182,27 +179,34 @@ class Trainer:
         self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
                                      resume_at=(self.rollout_index, self.rl.optimizer_steps) if resumed else None)
 
-    def _check_vllm(self, model: torch.nn.Module) -> None:
-        """The vllm backend can serve this policy (before any work; vLLM with AutoTP is refused with the run file,
-        dsrl.config.support)."""
-        from dsrl.rollout.vllm import check_servable
+    def _check(self) -> tuple[Any, Any, Any, Any]:
+        """Everything that can refuse the run without collective work, in this order: the tokenizer, prompts,
+        reward function and environment, the whole run file (the plan, the ds_config, the layout), the policy
+        model (one build of the rollout side, :class:`dsrl.rl.policy.rollout_side.RolloutSide`) and, colocated,
+        the rollout backend this rank will build. Returns (engine spec, critic spec or None, reward function,
+        environment)."""
+        from dsrl.rl.data.prompts import load_prompts
+        from dsrl.rl.episodes.environment import load_environment
+        from dsrl.rl.policy.model import resolve_dtype
+        from dsrl.rl.policy.rollout_side import RolloutSide
+        from dsrl.rl.rewards.functions import load_reward_fn
 
-        try:
-            check_servable(model.config, on_cpu=not self.on_gpu)
-        except ImportError as e:
-            raise ConfigError(str(e)) from None
-
-    def _backend_kwargs(self) -> dict[str, Any]:
-        """What a backend needs beyond the rollout settings: a vLLM engine its sizes and seed; continuous
-        batching (``cb``, ``auto``) the run's largest call, so that one manager serves every rollout."""
         d = self.d
-        if d.rollout.backend != VLLM_BACKEND:
-            from dsrl.rollout.cb import CallBounds
-
-            return {"bounds": CallBounds.of_run(self.plan.prompts_per_rank, self.plan.samples_per_prompt,
-                                                d.rollout.generation_batch_size, d.max_generation_tokens)}
-        return {"max_model_len": d.max_generation_tokens,
-                "samples_per_prompt": self.plan.samples_per_prompt, "seed": d.run.seed}
+        self.side = RolloutSide(self.cfg, self.on_gpu)
+        self.tokenizer = self.side.tokenizer
+        self.prompts = load_prompts(d.data, seed=d.run.seed)
+        reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
+        environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes.driver), or None
+        _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))
+        # The whole run file, DeepSpeed half included, is checked once, before the model is built: the plan, the
+        # ds_config and the schedule made here are the ones the engine is built from.
+        spec = prepare(self.cfg, dataset_size=len(self.prompts), on_gpu=self.on_gpu)
+        critic_spec = prepare_critic(self.cfg, self.world, len(self.prompts), self.on_gpu)  # None: no critic
+        self.side.build_model()
+        if self.role is None:  # a generator rank checks the backend it builds itself
+            self.side.check()
+        self.moe_layout = self.side.check_moe()  # mixture-of-experts settings (dsrl.rl.policy.moe), every rank
+        return spec, critic_spec, reward_fn, environment
 
     # -- resume ---------------------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
@@ -219,6 +223,7 @@ class Trainer:
             self.moe.check_resumed(client.get("moe"), os.path.join(load_dir, tag))
         self.rollout_index = int(client["rollout"])
         self.calls = int(client["calls"])
+        self.empty.load_state_dict(client.get("empty_rollouts"))
         self.sampler.load_state_dict(client["sampler"])
         if rank_state is not None:
             torch.set_rng_state(rank_state["torch_rng"])
@@ -231,7 +236,7 @@ class Trainer:
     def _stream_state(self) -> dict[str, Any]:
         """What continues the run exactly besides the engines: the prompt stream, the call counter, the RNGs."""
         return {"calls": self.calls, "sampler": self.sampler.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate()}
+                "python_rng": random.getstate(), "empty_rollouts": self.empty.state_dict()}
 
     def save(self, stream: dict[str, Any] | None = None) -> None:
         """Commit checkpoint ``rollout{rollout_index}``; ``stream`` (from :meth:`_stream_state`) is the state at the
@@ -239,6 +244,7 @@ class Trainer:
         stream = stream or self._stream_state()
         tag = f"rollout{self.rollout_index}"
         client = {"rollout": self.rollout_index, "calls": stream["calls"], "sampler": stream["sampler"],
+                  "empty_rollouts": stream["empty_rollouts"],
                   "version": self.rollout_index}  # the policy version the saved weights are (weight syncs so far)
         if self.moe is not None:  # the routing layout, checked when the run resumes
             client["moe"] = self.moe.checkpoint_state()
@@ -248,12 +254,12 @@ class Trainer:
             save_engines(self.rl, self.ckpt_dir, tag, client_state=client, rank_state=rank_state,
                                     keep_last=self.d.run.keep_last, checksums=self.d.run.checkpoint_checksums,
                                     before_commit=lambda path: write_hf_meta(path, self.rl.module, self.tokenizer),
-                                    companions=self._companions())
+                                    companions=self._companions(), model=adapters.record(self.d.model.lora))
         self.stop.save_s = time.perf_counter() - t0
 
     def _companions(self) -> dict[str, RLEngine]:
-        """Engines saved and resumed in the policy's checkpoint commit (the critic)."""
-        return {"critic": self.critic.rl} if self.critic is not None else {}
+        """Engines saved and resumed in the policy's checkpoint commit (the critic's)."""
+        return self.critic.companions()
 
     # -- training -------------------------------------------------------------------------------
     def loss_fn(self, engine, micro, load: torch.Tensor | None = None):
@@ -304,7 +310,7 @@ class Trainer:
     def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:
         """E reshuffled passes over the rollout; one optimizer step per mini-batch (of the policy, unless
         in the critic's warm-up, and of the critic). Returns the policy's step results; the critic's are
-        in ``self.critic_results``.
+        in ``self.critic.results``.
 
         Every rank learns all R lengths, partitions all E*R/B mini-batches, then receives only the
         samples its replica trains on (:mod:`dsrl.rl.data.replica`, rules 3-5)."""
@@ -317,22 +323,18 @@ class Trainer:
         samples = index.exchange(steps, self.device)
         del index
         results = []
-        self.critic_results = []
+        self.critic.begin_rollout()
         policy_steps = self.rollout_index >= self.plan.critic_warmup_rollouts
         for per_rank in steps:
             micros = my_micro_batches(samples, per_rank, view, self.pad_id, self.device, self.plan.packing)
-            res = critic_res = None
+            res = None
             if policy_steps:
                 t0 = time.perf_counter()
                 res = self._policy_step(micros)
                 res["step_s"] = time.perf_counter() - t0
                 res["padded_tokens"] = sum(int(m["input_ids"].numel()) for m in micros)
                 results.append(res)
-            if self.critic is not None:
-                t0 = time.perf_counter()
-                critic_res = self.critic.train_mini_batch(micros)
-                critic_res["step_s"] = time.perf_counter() - t0
-                self.critic_results.append(critic_res)
+            critic_res = self.critic.train_mini_batch(micros)  # None without a critic
             self.calls += 1
             on_step(res, critic_res)
         return results
@@ -360,13 +362,19 @@ class Trainer:
             bar.update(1)
         rec = {"rollout": self.rollout_index + 1, "call": self.calls, "optimizer_step": self.rl.optimizer_steps,
                **{k: res[k] for k in STEP_METRICS if res is not None and k in res}}
-        if critic_res is not None:
-            rec.update({f"critic_{k}": critic_res[k] for k in CRITIC_STEP_METRICS if k in critic_res})
+        rec.update(self.critic.step_metrics(critic_res))
         self.metrics.write("step", rec, self.rl.optimizer_steps)
         # A mini-batch boundary: every rank takes the same stop decision here (dsrl.runtime.stop).
         self.stop.note_step(sum(r.get("step_s", 0.0) for r in (res, critic_res) if r is not None))
         if self.stop.decide(self.plan.optimizer_steps_per_rollout - (self.calls - self._rollout_calls)) == "stop":
             raise StopRun
+
+    def _ends_run(self, start: int) -> bool:
+        """Whether the rollout just finished is the last of this invocation by the plan or run.stop_after_rollouts
+        (a stop request aside)."""
+        r = self.d.run
+        return self.rollout_index == self.plan.rollouts or (
+            r.stop_after_rollouts is not None and self.rollout_index - start >= r.stop_after_rollouts)
 
     def _should_save(self, start: int) -> tuple[bool, bool]:
         """(save now, stop this invocation) after the rollout just finished."""
@@ -393,6 +401,7 @@ class Trainer:
                 if self._finished_here and self.d.run.export_final and self.d.run.save_final:
                     self._export_final()
         finally:
+            self.stop.ending = True
             if bar is not None:
                 bar.close()
             self.metrics.close()
@@ -429,8 +438,7 @@ class Trainer:
         if start >= plan.rollouts and self.rank == 0:
             log.info("%s already holds the finished run (%d rollouts); nothing to do. Use a new "
                      "--dsrl.run.output_dir, or --overwrite to start over.", self.output_dir, plan.rollouts)
-        if self.role is not None:
-            self.backend.begin(self.rollout_index)  # the generators start where this invocation starts
+        self.backend.begin(self.rollout_index)  # where this invocation starts (a remote backend tells its generators)
         while self.rollout_index < plan.rollouts:
             self._rollout_calls = self.calls
             self.stop.new_rollout()
@@ -454,13 +462,13 @@ class Trainer:
                 return summary
             stats.train_s = time.perf_counter() - t0
             self.rollout_index += 1
-            summary = rollout_record(stats.summed(self.device), results, world=self.world,
+            totals = stats.summed(self.device)
+            summary = rollout_record(totals, results, world=self.world,
                                      rollout=self.rollout_index, optimizer_step=self.rl.optimizer_steps,
                                      rollout_size=plan.rollout_size,
                                      prompt_epochs=self.prompt_source.drawn / len(self.prompts), sampling_rounds=rounds,
                                      local_train_s=stats.train_s, elapsed_s=time.perf_counter() - t_loop)
-            if self.critic is not None:
-                summary.update(critic_record(self.critic_results))
+            summary.update(self.critic.rollout_metrics())
             summary.update(phase_record(self.phases.take().reduced(self.device), self.world))
             self.metrics.write("rollout", summary, self.rl.optimizer_steps)
             if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
@@ -470,6 +478,10 @@ class Trainer:
             if self.rank == 0 and (self.rollout_index % self.d.run.log_every == 0
                                    or self.rollout_index == plan.rollouts):
                 log.info(self.metrics.rollout_line(summary, plan.rollouts))
+            # A rollout that trained on nothing is warned about; too many in a row, or a whole run of them, end the
+            # run here, before its checkpoint (dsrl.rl.empty_rollouts). Global counts: every rank decides alike.
+            self.empty.observe(self.rollout_index, RolloutOutcome.of(totals, [*results, *self.critic.results]),
+                               last=self._ends_run(start), rank=self.rank)
             save, stop = self._should_save(start)
             if save:
                 self.save()
@@ -493,23 +505,41 @@ class Trainer:
     def _stop_without_generation(self, e: GenerationStopped, boundary: dict[str, Any]) -> None:
         """The generator ranks are gone (or a stop came while waiting for them): commit the trainer side's state
         (every rollout trained so far, and the prompt stream and RNGs as they were before the unfinished rollout
-        drew from them) unless the newest checkpoint already holds it, then end the run."""
+        drew from them) unless the newest checkpoint already holds it, then end the run. A generator that hangs is
+        ended once the trainers have exited, by the lowest trainer of its host (dsrl.runtime.peers), so the
+        launcher does not wait for it."""
+        self.stop.ending = not e.requested  # every trainer ends on this agreed error: none of them has died
         if latest_complete_tag(self.ckpt_dir) != f"rollout{self.rollout_index}":
             self.save(boundary)
-        if self.rank == 0:
-            log.warning("%s; checkpoint %s", e, os.path.join(self.ckpt_dir, f"rollout{self.rollout_index}"))
-        if not e.requested:
-            raise e
+        checkpoint = os.path.join(self.ckpt_dir, f"rollout{self.rollout_index}")
+        if e.requested:
+            if self.rank == 0:
+                log.warning("%s; checkpoint %s", e, checkpoint)
+            return
+        hosts = self.peers.hosts
+        self.peers.end_after_exit([g for g in e.hung  # by the lowest trainer of the generator's host, if any
+                                   if [r for r in range(self.world) if hosts[r] == hosts[g]][:1] == [self.rank]])
+        ended = "; it is ended (SIGKILL) once the trainers have exited" if e.hung else ""
+        raise GenerationStopped(f"{e}; checkpoint {checkpoint}{ended}", requested=False, hung=e.hung)
 
     def _log_stop(self, mid_rollout: bool) -> None:
-        if self.rank != 0:
-            return
+        """Say where a stop left the run. A stop because a rank of the job had ended (the launcher's SIGTERM after a
+        rank died, dsrl.runtime.stop) is a run error naming that rank, raised on every rank."""
         latest = latest_complete_tag(self.ckpt_dir)
         where = (f"at optimizer step {self.rl.optimizer_steps}, a mini-batch boundary inside rollout "
                  f"{self.rollout_index + 1} (the rest of it and a checkpoint did not fit in run.stop_grace_s)"
                  if mid_rollout else f"after rollout {self.rollout_index} with a committed checkpoint")
+        last = os.path.join(self.ckpt_dir, latest) if latest else "none"
+        if self.stop.peer_ended:
+            who = (self.stop.ended or self.peers.obituary()
+                   or "a rank of another host has ended (named in the messages of that host's ranks)")
+            raise RunError(f"{who}; the launcher stopped the job ({self.stop.reason}) and the run stopped {where}; the "
+                           f"last committed checkpoint is {last}; resume with --resume auto once every rank is healthy",
+                           agreed=True)
+        if self.rank != 0:
+            return
         log.warning("stopped on request (%s) %s; the last committed checkpoint is %s; continue with --resume auto",
-                    self.stop.reason, where, os.path.join(self.ckpt_dir, latest) if latest else "none")
+                    self.stop.reason, where, last)
 
     def _supervised_warmup(self, bar: Any) -> None:
         """The optional dsrl.sft phase (dsrl/rl/sft.py): policy steps on reference answers before rollout 1."""
@@ -525,7 +555,9 @@ class Trainer:
                    **{k: res[k] for k in ("loss", "grad_norm", "lr", "tokens", "token_accuracy", "step_s") if k in res}}
             self.metrics.write("sft", rec, res["optimizer_step"])
 
-        SupervisedWarmup(self.d, self.plan, self.rl, self.tokenizer, self.prompt_source).run(on_step)
+        d = self.d
+        SupervisedWarmup(d.sft, self.plan, self.rl, self.tokenizer, self.prompt_source, data=d.data, rollout=d.rollout,
+                         seed=d.run.seed).run(on_step)
         if self.rank == 0:
             log.info("supervised warm-up: %d steps, loss %.3f -> %.3f, %.1fs", self.d.sft.steps, first[0], first[-1],
                      time.perf_counter() - t0)

@@ -62,8 +62,20 @@ class RolloutBackend(ABC):
         records); False by default."""
         return False
 
+    def begin(self, rollout_index: int) -> None:  # noqa: B027 - a no-op is the right default
+        """The run (or this invocation of a resumed run) starts at ``rollout_index`` (rollouts done so far); called
+        once on every rank before the first :meth:`sync_weights`. A backend whose generation runs elsewhere (the
+        generator ranks of :mod:`dsrl.rl.disagg.remote`) tells them where to start; the local backends need
+        nothing."""
+
     def sync_weights(self) -> None:  # noqa: B027 - a no-op is the right default
         """Make the generator use the policy's current weights (a no-op when they are shared)."""
+
+    def take_timing(self) -> dict[str, float]:
+        """Seconds spent on the rollout side since the last call, by name, and reset: ``wait_s`` (waiting for
+        completions), ``publish_s`` (sending weights), ``generation_s`` and ``idle_s`` (a remote generator's, as it
+        reported them). Empty for a backend that generates in the caller's time (its cost is the caller's)."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - a no-op is the right default
         """Release what the backend holds beyond the policy (an engine, its memory); called once at the end."""

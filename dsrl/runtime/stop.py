@@ -12,7 +12,11 @@ What happens (docs/reliability.md, "Signals"):
   from the request, the run finishes the rollout, commits a checkpoint and stops; otherwise it stops
   right after the mini-batch, and the last committed checkpoint stays ``latest``;
 - a rank still running ``stop_grace_s`` after the request exits with status 128 + signal number; a
-  second Ctrl-C interrupts at once.
+  second Ctrl-C interrupts at once;
+- when a request arrives, a rank asks :mod:`dsrl.runtime.peers` which ranks of its host have ended (the DeepSpeed
+  launcher SIGTERMs every rank as soon as one ended with a nonzero status) and names them; the ranks share that
+  finding in the stop decision, and the run then ends as a run error (status 1), naming the rank, not as a stop
+  on request.
 
 DeepSpeed's launcher gives its ranks 30 s between its SIGTERM and SIGKILL, hence the 25 s default.
 """
@@ -94,6 +98,14 @@ class StopControl:
         self._done = threading.Event()
         self._step_times: list[float] = []
         self.save_s = 0.0
+        # Who has ended when a request arrives (dsrl.runtime.peers: the launcher SIGTERMs every rank as soon as one
+        # ended); ``peer_ended`` is shared by :meth:`decide`, so every rank ends the run as a run error (status 1).
+        self.peers: Any = None  # a dsrl.runtime.peers.Peers, set once the job's store exists
+        # The run is ending on its own (an error every rank agreed on, or the end): ranks that exit now have not died,
+        # so a late request (the launcher's SIGTERM after the first of them exited) names nobody.
+        self.ending = False
+        self.ended: str | None = None  # this rank's finding, named by role, rank and host
+        self.peer_ended = False
 
     # -- requests -------------------------------------------------------------------------------
     def install(self) -> None:
@@ -134,7 +146,19 @@ class StopControl:
         if self.requested_at is not None:
             return
         self.requested_at, self.reason, self.signum = time.monotonic(), reason, signum
-        if collectives.rank() == 0 or not self.training:
+        speaks = collectives.rank() == 0
+        if self.peers is not None and signum and self.training and not self.ending:
+            try:
+                self.ended = self.peers.obituary()
+                speaks = speaks or (self.ended is not None and self.peers.speaks_for_host())
+            except Exception:  # noqa: BLE001 - naming is best effort, the stop is not
+                self.ended = None
+            self.peer_ended = self.ended is not None
+        if self.ended is not None and speaks:  # once per host (ranks of other hosts cannot see it)
+            log.warning("%s; the launcher stops the job (%s): stopping at the next mini-batch boundary; a checkpoint "
+                        "is committed if the rollout can finish within run.stop_grace_s = %g s", self.ended, reason,
+                        self.grace_s)
+        elif self.ended is None and not self.ending and (collectives.rank() == 0 or not self.training):
             log.warning("stop requested (%s): stopping at the next mini-batch boundary; a checkpoint is committed "
                         "if the rollout can finish within run.stop_grace_s = %g s", reason, self.grace_s)
         threading.Thread(target=self._expire, name="dsrl-stop-grace", daemon=True).start()
@@ -151,7 +175,10 @@ class StopControl:
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum if self.requested_at is not None else 0
+        """0 (no request), 1 when a rank of the job had ended (a run error), else 128 + the signal number."""
+        if self.requested_at is None:
+            return 0
+        return 1 if self.peer_ended else 128 + self.signum
 
     # -- the shared decision ------------------------------------------------------------------------
     def note_step(self, seconds: float) -> None:
@@ -167,11 +194,13 @@ class StopControl:
             return self.decision
         mean = sum(self._step_times) / len(self._step_times) if self._step_times else 0.0
         elapsed = time.monotonic() - self.requested_at if self.requested_at is not None else 0.0
-        requested, elapsed, remaining = collectives.max_floats(
-            [1.0 if self.requested_at is not None else 0.0, elapsed, steps_left * mean + self.save_s])
+        requested, elapsed, remaining, ended = collectives.max_floats(
+            [1.0 if self.requested_at is not None else 0.0, elapsed, steps_left * mean + self.save_s,
+             1.0 if self.peer_ended else 0.0])
         if not requested:
             return None
         if self.requested_at is None:
             self.request("another rank was asked to stop", signal.SIGTERM)
+        self.peer_ended = bool(ended)
         self.decision = "finish" if elapsed + remaining <= self.grace_s else "stop"
         return self.decision

@@ -6,7 +6,8 @@ On top of them, **phases**: the trainer runs generation, reward, step and save i
   (gloo's ``monitored_barrier``, on a gloo side group under NCCL) that names the ranks that did not
   arrive in time. A collective that times out inside a phase is reported with the phase and each
   rank's last recorded phase. Either way the job ends with :class:`dsrl.core.errors.CollectiveTimeout`
-  naming the phase and the missing rank(s).
+  naming the phase and the missing rank(s), and first the ranks of this host whose process has ended or is
+  stopped, by role, rank and host (:mod:`dsrl.runtime.peers`).
 
 **What a rank is doing**: inside a phase, the code that calls user functions (a reward function, an
 environment: :mod:`dsrl.rl.rewards.contract`, :mod:`dsrl.rl.episodes.environment`) records before each call what it
@@ -29,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -63,6 +65,7 @@ class Watch:
         self.current = "start"
         self.group = None
         self.store = None
+        self.peers: Any = None  # a dsrl.runtime.peers.Peers: a message about a lost peer names the ranks that ended
         if self.world > 1:
             # monitored_barrier is gloo-only: under NCCL a gloo side group carries it (collective creation).
             self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -190,17 +193,31 @@ class Watch:
             missing = _missing_ranks(str(e))
             if missing:
                 who = ", ".join(str(r) for r in missing)
-                msg = (f"rank {who} did not finish the {name} phase within {self.timeout_s:g} s of rank {self.rank} "
-                       f"(dsrl.run.collective_timeout_s); last reports: {self._reports()}. The job ends here; "
-                       f"the last committed checkpoint is intact (resume with --resume auto once rank {who} is "
-                       "healthy).")
+                msg = (f"{self._ended()}rank {who} did not finish the {name} phase within {self.timeout_s:g} s of "
+                       f"rank {self.rank} (dsrl.run.collective_timeout_s); last reports: {self._reports()}. The job "
+                       f"ends here; the last committed checkpoint is intact (resume with --resume auto once rank {who} "
+                       "is healthy).")
+            elif self.rank == 0 or "connection" in str(e).lower():  # a peer's connection closed: it is gone
+                msg = (f"{self._ended()}rank {self.rank} lost a peer at the end of the {name} phase "
+                       f"({str(e).splitlines()[0][:160]}); last reports: {self._reports()}. The job ends here; the "
+                       "last committed checkpoint is intact (resume with --resume auto once every rank is healthy).")
             else:
-                msg = (f"rank {self.rank} stopped waiting at the end of the {name} phase: rank 0 reported a rank "
-                       f"that did not arrive within {self.timeout_s:g} s, or rank 0 is gone; see rank 0's message.")
+                msg = (f"{self._ended()}rank {self.rank} stopped waiting at the end of the {name} phase: rank 0 "
+                       f"reported a rank that did not arrive within {self.timeout_s:g} s, or rank 0 is gone; see rank "
+                       "0's message.")
             raise CollectiveTimeout(msg) from e
         self._mark(f"{name} done")
 
+    def _ended(self) -> str:
+        """'trainer 1 (rank 1 on host a) has ended (its process is gone); ' for the ranks of this host that ended, or
+        nothing (dsrl.runtime.peers)."""
+        try:
+            found = self.peers.obituary() if self.peers is not None else None
+        except Exception:  # noqa: BLE001 - naming is best effort
+            found = None
+        return f"{found}; " if found else ""
+
     def _in_phase_message(self, name: str, exc: BaseException) -> str:
-        return (f"a collective of the {name} phase did not complete on rank {self.rank} within {self.timeout_s:g} s "
-                f"(dsrl.run.collective_timeout_s) or lost a peer; last reports: {self._reports()}. "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+        return (f"{self._ended()}a collective of the {name} phase did not complete on rank {self.rank} within "
+                f"{self.timeout_s:g} s (dsrl.run.collective_timeout_s) or lost a peer; last reports: "
+                f"{self._reports()}. ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")

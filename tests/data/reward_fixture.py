@@ -11,6 +11,17 @@ def exact_batched(prompts: list[str], completions: list[str], answers: list[str]
     return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answers)]
 
 
+def slow_exact_batched(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """``exact_batched`` that takes 3 s per call: keeps the trainers busy (tests/distributed/test_async.py); each call
+    first appends a line to the file named by ``DSRL_TEST_REWARD_MARK`` when set."""
+    mark = os.environ.get("DSRL_TEST_REWARD_MARK")
+    if mark:
+        with open(mark, "a") as f:
+            f.write("called\n")
+    time.sleep(3.0)
+    return exact_batched(prompts, completions, answers)
+
+
 def length_per_sample(prompt: str, completion: str, answer: str) -> float:
     """Per-sample (recognised by its parameter names): shorter completions score higher."""
     return 1.0 / (1.0 + len(completion))
@@ -62,3 +73,8 @@ def reverse_gated_first_call(prompts: list[str], completions: list[str], answers
 
 
 _gated: list[bool] = []
+
+
+def nan_batched(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """Broken on purpose: NaN for every completion (every sample masked; the run trains on nothing)."""
+    return [float("nan")] * len(completions)

@@ -143,3 +143,46 @@ def test_resume_bitwise_elastic_resume_and_exports(tmp_path):
                        tok.bos_token_id, tok.eos_token_id, on_gpu=False, seed=cfg.run.seed)
     adapted = PeftModel.from_pretrained(base, adapter_dir)
     assert rel(logits(adapted)) <= 1e-6
+
+
+def test_resume_with_model_lora_changed_is_refused_naming_it(tmp_path):
+    """A LoRA run resumed without dsrl.model.lora (or with other adapters), and a full run resumed with it added:
+    refused before any model is built (status 2), one sentence naming dsrl.model.lora, the saved setting and the
+    ways forward. It used to end in DeepSpeed's state-dict error (a key dump, status 1) advising an earlier
+    checkpoint. A checkpoint written before the manifest recorded the adapters is recognised by its hf/ folder."""
+    raw = json.loads((REPO / "configs" / "tiny_grpo_lora_cpu.json").read_text())
+    raw.pop("csv_monitor", None)
+    raw["scheduler"]["params"]["warmup_num_steps"] = 1
+    raw["dsrl"]["batch"].update(prompts_per_rollout=4, samples_per_prompt=4, mini_batch_size=16)
+    raw["dsrl"]["run"].update(rollouts=2, export_final=False, progress_bar=False)
+    raw["dsrl"]["sft"] = {"steps": 0}
+    config = str(write_json(tmp_path / "run.json", raw))
+
+    def train(out, *extra: str):
+        return one_rank(["launch/train.py", "--ds_config", config, "--dsrl.run.output_dir", str(out), *extra])
+
+    def refused(proc, *words: str) -> None:
+        assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("dsrl: configuration error:")]
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        for w in words:
+            assert w in lines[0], lines[0]
+
+    lora_run, full_run = tmp_path / "lora", tmp_path / "full"
+    for out, extra in ((lora_run, []), (full_run, ["--dsrl.model.lora", "null"])):
+        proc = train(out, "--dsrl.run.stop_after_rollouts", "1", *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saved = lora_run / "checkpoints" / "rollout1"
+    ways = ("Fix: set dsrl.model.lora as it was saved to continue the run", f"dsrl export {saved} --out DIR")
+    refused(train(lora_run, "--dsrl.model.lora", "null"), "dsrl.model.lora is not set, but checkpoint", str(saved),
+            'trained with LoRA adapters (dsrl.model.lora = {r: 8, alpha: 16.0, target_modules: "all-linear"', *ways)
+    refused(train(lora_run, "--dsrl.model.lora.r", "4"), "dsrl.model.lora.r = 4 where it was 8")
+    refused(train(full_run), "dsrl.model.lora is set, but checkpoint", "was trained without it",
+            "Fix: remove dsrl.model.lora to continue the run")
+    # A checkpoint from before the record: hf/ holds PEFT's adapter config exactly when adapters were on.
+    manifest = saved / "MANIFEST.json"
+    doc = json.loads(manifest.read_text())
+    del doc["model"]
+    manifest.write_text(json.dumps(doc))
+    refused(train(lora_run, "--dsrl.model.lora", "null"), "trained with LoRA adapters (dsrl.model.lora):")
+    assert train(lora_run, "--dsrl.model.lora.dropout", "0.1").returncode == 0  # dropout may change: it continues

@@ -13,7 +13,10 @@ and the ImportError message.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -85,6 +88,10 @@ def test_megatron_dp_tp_pp_cp_exact_and_guards(tmp_path):
     assert checks["err/average_with_flag"].startswith("ValueError: convention='average' needs")
     assert checks["err/not_ddp"].startswith("TypeError")
     assert "never advanced per micro-batch" in checks["err/bad_unit"]
+    assert checks["err/torch_optimizer"].startswith("TypeError: MegatronRLStep needs megatron-core's optimizer, not "
+                                                    "torch.optim.adam.Adam"), checks["err/torch_optimizer"]
+    (warning,) = checks["warn/dropout"]  # only the step built with hidden_dropout = 0.1
+    assert "hidden_dropout = 0.1, attention_dropout = 0.0: dropout makes every forward random" in warning
 
     # Scheduler: once per optimizer step whatever the micro-batch count; exact resume; samples unit.
     assert checks["sched/steps_positions"] == [1, 2, 3]
@@ -98,6 +105,31 @@ def test_megatron_dp_tp_pp_cp_exact_and_guards(tmp_path):
 def test_megatron_tp2_dp2_exact(tmp_path):
     res = _run_suite(tmp_path, "tp2dp2", 4)
     _check_exact(res["cases"], "tp2dp2", 8)
+
+
+def _docs_python_block(doc: str, heading: str) -> str:
+    return re.search(rf"### {heading}\n.*?```python\n(.*?)```", doc, re.S).group(1)
+
+
+def test_the_documented_loop_runs_as_written(tmp_path):
+    """docs/megatron.md's complete loop, copied as a user would: its CPU preamble at the top and the shim beside it,
+    on 2 data-parallel gloo ranks. It runs the plan's 4 optimizer steps with finite losses, the first at the
+    scheduler's init_lr. (The loop it replaces used `plan` and `clipped_policy_loss` without importing them.)"""
+    doc = (REPO / "docs" / "megatron.md").read_text()
+    script = tmp_path / "my_rl_loop.py"
+    script.write_text(_docs_python_block(doc, "Running on CPU") + "\n" + _docs_python_block(doc, "A complete loop"))
+    shutil.copy(REPO / "launch" / "megatron_cpu_shim.py", tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = re.findall(r"^optimizer step (\d+): loss ([-+.\de]+) over (\d+) tokens, grad norm \S+, lr (\S+)$",
+                       proc.stdout, re.M)
+    assert [int(s[0]) for s in steps] == [1, 2, 3, 4], proc.stdout[-3000:]
+    assert all(math.isfinite(float(s[1])) and int(s[2]) > 0 for s in steps) and steps[0][3] == "1.00e-05"
+    assert "dropout" not in proc.stdout + proc.stderr  # dropout is off: no warning
 
 
 @pytest.mark.parametrize("layout,args", [

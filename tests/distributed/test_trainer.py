@@ -174,3 +174,45 @@ def test_dapo_dynamic_sampling_two_ranks_zero3(tmp_path):
     assert all(r["sampling_rounds"] == 3 for r in rollouts)  # refilled up to max_sampling_rounds
     assert all(r["zero_variance_groups"] > 0.3 for r in rollouts)  # overlong shaping leaves a few varied groups
     assert all(r["episodes"] == 64 * r["rollout"] for r in rollouts)
+
+
+def test_rollouts_that_train_on_nothing_are_warned_about_then_stop_the_run(tmp_path):
+    """Every reward NaN: every sample is masked and no token reaches the loss. Each such rollout is warned about
+    with its counts, and run.max_empty_rollouts of them in a row end the run (status 1, one sentence from one rank,
+    on every rank alike) before it is checkpointed or exported; it used to end with status 0 and export the
+    unchanged model. The bound is the default (3), so the same job ran on the code before the check."""
+    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw["scheduler"]["params"]["warmup_num_steps"] = 1
+    raw.pop("csv_monitor", None)
+    (tmp_path / "run.json").write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    proc = launch(["launch/train.py", "--ds_config", str(tmp_path / "run.json"), "--dsrl.run.rollouts", "4",
+                   "--dsrl.batch.prompts_per_rollout", "4",
+                   "--dsrl.batch.samples_per_prompt", "4", "--dsrl.batch.mini_batch_size", "8",
+                   "--dsrl.data.reward_fn", "tests/data/reward_fixture.py:nan_batched", "--dsrl.run.save_every", "1",
+                   "--dsrl.run.output_dir", str(out), "--dsrl.run.progress_bar", "false", "--dsrl.sft.steps", "0"],
+                  nprocs=2, timeout=600, check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rollout 1 trained on nothing: all 16 samples were masked (16 with a non-finite reward), so 0 tokens " \
+           "reached the loss" in proc.stdout, proc.stdout[-3000:]
+    error = ("dsrl: error: rollouts 1 to 3 trained on nothing (3 in a row, dsrl.run.max_empty_rollouts = 3): in "
+             "rollout 3 all 16 samples were masked")
+    assert proc.stderr.count(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in rows if r["event"] == "rollout"]
+    assert [(r["rollout"], r["masked_samples"], r["train_tokens"]) for r in rollouts] == [(i, 16, 0) for i in (1, 2, 3)]
+    assert (out / "checkpoints" / "latest").read_text() == "rollout2"  # rollout 3, the third empty one: not saved
+    assert not (out / "final_model").exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--dsrl.batch.mini_batch_sise", "8"], "dsrl.batch.mini_batch_sise is not a known setting"),  # before the group
+    (["--dsrl.run.rollouts", "3"], "warmup_num_steps = 10 is not shorter than the plan's 6 optimizer steps"),  # after
+])
+def test_a_configuration_error_is_printed_by_one_rank(tmp_path, extra, words):
+    """Found before any work on every rank alike, printed once (it was printed by each of the 2 ranks)."""
+    proc = launch(["launch/train.py", "--ds_config", "configs/tiny_grpo_cpu.json", "--dsrl.sft.steps", "0",
+                   "--dsrl.run.output_dir", str(tmp_path / "out"), *extra], nprocs=2, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("dsrl: configuration error:")]
+    assert len(lines) == 1 and words in lines[0], proc.stderr[-3000:]

@@ -20,8 +20,9 @@ import types
 import pytest
 import torch
 
-from dsrl.config import ModelConfig, RolloutConfig
+from dsrl.config import DataConfig, ModelConfig, RolloutConfig
 from dsrl.core.seeds import derived_seed
+from dsrl.rl.critic import NO_CRITIC
 from dsrl.rl.data.batching import collate
 from dsrl.rl.episodes.driver import EpisodeRunner, demonstration, score_trajectories
 from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder
@@ -146,11 +147,10 @@ def test_scoring_sums_environment_rewards_adds_the_reward_fn_and_measures_the_la
         seen.append(completions)
         return [0.5 for _ in completions]
 
-    maker = types.SimpleNamespace(
-        d=types.SimpleNamespace(data=types.SimpleNamespace(rule_reward_weight=2.0, reward_model_weight=1.0)),
-        rewards=types.SimpleNamespace(reward_fn=reward_fn, accuracy_fn=lambda p, c, a: [float(x == "42") for x in c]),
-        version=3)
-    groups = score_trajectories(maker, [17], [{"prompt": "p", "answer": "42"}], trajs, model_scores=[0.1, 0.1])
+    groups = score_trajectories([17], [{"prompt": "p", "answer": "42"}], trajs, reward_fn=reward_fn,
+                                accuracy_fn=lambda p, c, a: [float(x == "42") for x in c],
+                                data=DataConfig(rule_reward_weight=2.0, reward_model_weight=1.0), version=3,
+                                model_scores=[0.1, 0.1])
     (a, b), = groups
     assert seen == [["42", "4"]] and a.reward == pytest.approx(2 * (1.25 + 0.5) + 0.1) and a.accuracy == 1.0
     assert b.reward != b.reward and b.group == 17 and a.version == 3  # NaN: a timed-out step masks the sample
@@ -268,7 +268,7 @@ def test_the_kl_penalty_in_the_reward_sums_model_tokens_only():
                                     algorithm=types.SimpleNamespace(kl_in="reward", kl_coef=0.5))
     maker.policy = types.SimpleNamespace(device="cpu",
                                          forward_no_grad=lambda micros, fn: [fn(policy_model, m) for m in micros])
-    maker.pad_id, maker.critic, maker.phases = 0, None, PhaseClock()
+    maker.pad_id, maker.critic, maker.phases = 0, NO_CRITIC, PhaseClock()
     maker.ref_model = types.SimpleNamespace(forward_no_grad=lambda micros, fn: [fn(ref_model, m) for m in micros])
     maker._logprob_fn = lambda: logprob_fn
     maker.score_logprobs([s])

@@ -231,3 +231,25 @@ def test_checkpoint_estimate_counts_optimizer_state_for_adapters_only():
     t = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert estimate_checkpoint_bytes(full) == n * (4 + 12)
     assert estimate_checkpoint_bytes(lora) == (n + t) * 4 + t * 12 + n * 4 < estimate_checkpoint_bytes(full)
+
+
+def test_resume_check_of_the_checkpoints_adapters():
+    """dsrl.checkpoint.adapters.check_resume: what a checkpoint recorded against this run's dsrl.model.lora (the
+    real jobs: tests/distributed/test_lora.py::test_resume_with_model_lora_changed_is_refused_naming_it)."""
+    from dsrl.checkpoint.adapters import NOT_KNOWN, ON, check_resume, record
+
+    saved = record(LoraConfig(r=8, alpha=16.0, target_modules=["q_proj", "v_proj"]))["lora"]
+    check_resume("ckpt", saved, LoraConfig(r=8, alpha=16.0, target_modules=["q_proj", "v_proj"], dropout=0.1))
+    check_resume("ckpt", None, None)
+    check_resume("ckpt", NOT_KNOWN, LoraConfig())  # nothing recorded, no hf/: not checked
+    check_resume("ckpt", ON, LoraConfig(r=2))  # on, settings unknown: on/off only
+    for lora, words in ((LoraConfig(r=8, alpha=8.0, target_modules=["q_proj", "v_proj"]),
+                         "dsrl.model.lora.alpha = 8.0 where it was 16.0"),
+                        (LoraConfig(r=8, alpha=16.0), 'dsrl.model.lora.target_modules = "all-linear" where it was '
+                                                      '["q_proj", "v_proj"]'),
+                        (None, "dsrl.model.lora is not set"), ):
+        with pytest.raises(ConfigError) as e:
+            check_resume("ckpt", saved, lora)
+        assert words in str(e.value)
+    with pytest.raises(ConfigError, match="was trained without it"):
+        check_resume("ckpt", None, LoraConfig())

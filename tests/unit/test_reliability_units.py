@@ -361,3 +361,19 @@ def test_universal_conversion_sees_only_the_engine_s_own_files(tmp_path):
     assert not os.path.exists(source)  # the staging directory is gone
     with _engine_files_only(str(tag / "critic")) as source:
         assert source == str(tag / "critic")  # nothing nested: converted in place
+
+
+def test_config_errors_of_a_startup_check_are_agreed():
+    """dsrl.core.collectives.agree (one process): the rank's own error comes back marked agreed only through the
+    shared error of several ranks (launch/train.py prints an agreed error from rank 0 only); no error passes. The
+    2-rank jobs: tests/distributed/test_trainer.py::test_a_configuration_error_is_printed_by_one_rank."""
+    from dsrl.core.collectives import agree, outcome, shared_error
+    from dsrl.core.errors import RunError
+
+    assert ConfigError("x").agreed is False
+    agree(None)
+    shared = shared_error([None, outcome(ConfigError("dsrl.batch.x is wrong")), outcome(RunError("r"))])
+    assert isinstance(shared, ConfigError) and shared.agreed and str(shared) == "dsrl.batch.x is wrong"
+    assert shared_error([None, None]) is None
+    with pytest.raises(ConfigError, match="dsrl.batch.x is wrong"):
+        agree(ConfigError("dsrl.batch.x is wrong"))

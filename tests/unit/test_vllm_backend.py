@@ -7,11 +7,25 @@ from __future__ import annotations
 import types
 
 from dsrl.rl.experience import ExperienceMaker
+from dsrl.rollout.base import RolloutBackend
+
+
+class _Recording(RolloutBackend):
+    """A backend keeping the contract (dsrl.rollout.base) that records its weight syncs."""
+
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+    def generate(self, prompt_ids, samples_per_prompt, seed):
+        return []
+
+    def sync_weights(self) -> None:
+        self.calls.append("sync")
 
 
 def test_each_rollout_syncs_the_generator_weights_before_generating(monkeypatch):
     calls = []
-    backend = types.SimpleNamespace(sync_weights=lambda: calls.append("sync"))
+    backend = _Recording(calls)
     policy = types.SimpleNamespace(view=types.SimpleNamespace(data_parallel_rank=0), device="cpu")
     tokenizer = types.SimpleNamespace(pad_token_id=0)
     maker = ExperienceMaker(None, None, policy, backend, tokenizer, None, None, None)

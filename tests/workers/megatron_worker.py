@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -93,6 +94,7 @@ def run_dp_extras(rec: Recorder) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     from dsrl.backends.megatron import build_param_scheduler
 
@@ -106,6 +108,23 @@ def run_dp_extras(rec: Recorder) -> None:
     c["err/average_with_flag"] = _expect_error(lambda: MegatronRLStep(ddp, opt, sched, convention="average"))
     c["err/not_ddp"] = _expect_error(lambda: MegatronRLStep(ddp.module, opt, sched, convention="per_token"))
     c["err/bad_unit"] = _expect_error(lambda: MegatronRLStep(ddp, opt, sched, schedule_unit="micro_batches"))
+    # megatron-core's example loop keeps a torch Adam: refused at construction, before any forward (it used to fail
+    # after the forward/backward, unpacking the None that torch's step returns).
+    torch_adam = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+    c["err/torch_optimizer"] = _expect_error(lambda: MegatronRLStep(
+        ddp, torch_adam, build_param_scheduler(torch_adam, total_optimizer_steps=4, max_lr=1e-4, min_lr=0.0),
+        convention="per_token"))
+    # Dropout left at Megatron's default: a warning at construction (exactness needs a deterministic forward).
+    warned: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dsrl.backends.megatron").addHandler(catch)
+    ddp_d, opt_d, sched_d = mc.build_parallel(per_token=True)
+    MegatronRLStep(ddp_d, opt_d, sched_d, convention="per_token")
+    get_model_config(ddp_d).hidden_dropout = 0.1
+    MegatronRLStep(ddp_d, opt_d, sched_d, convention="per_token")
+    logging.getLogger("dsrl.backends.megatron").removeHandler(catch)
+    c["warn/dropout"] = warned
 
     # Two forward_backward_func calls in one step, per-token mode.
     replicas = mc.make_replicas(7, [2, 3])

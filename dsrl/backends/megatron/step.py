@@ -32,6 +32,7 @@ zero-weight fillers, the weights, the all-rank non-finite skip and the metric to
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,7 @@ PER_TOKEN = "per_token"
 AVERAGE = "average"
 CONVENTIONS = (PER_TOKEN, AVERAGE)
 
+log = logging.getLogger("dsrl.backends.megatron")
 MicroBatch = Mapping[str, Any]
 ForwardFn = Callable[[Any, MicroBatch], torch.Tensor]
 LossFn = Callable[[torch.Tensor, MicroBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
@@ -81,6 +83,33 @@ class FinalizeOnce:
             )
         self.calls += 1
         return self.fn(*args, **kwargs)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Refuse, before any forward, an optimizer that is not megatron-core's: the step calls ``optimizer.step()`` for
+    Megatron's ``(update_successful, grad_norm, num_zeros)``, and only Megatron's optimizer steps from the DDP's grad
+    buffers (``main_grad``); a torch optimizer reads ``param.grad``, which Megatron's DDP leaves empty."""
+    from megatron.core.optimizer import MegatronOptimizer
+
+    if not isinstance(optimizer, MegatronOptimizer):
+        kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        raise TypeError(
+            f"MegatronRLStep needs megatron-core's optimizer, not {kind}: Megatron's DDP keeps the gradients in its "
+            "grad buffers (param.main_grad), which only Megatron's optimizer steps from, so a torch optimizer would "
+            "never see them. Fix: opt = get_megatron_optimizer(OptimizerConfig(optimizer=\"adam\", lr=..., "
+            "min_lr=...), [ddp]) (megatron.core.optimizer), and drop the loop's own optimizer.step()."
+        )
+
+
+def _warn_dropout(config: Any) -> None:
+    """Dropout draws new masks in every forward: the step is then not the gradient of one fixed L_M (nor are the
+    PPO ratios those of the policy that sampled). Say so once, at construction."""
+    rates = {name: getattr(config, name, 0.0) or 0.0 for name in ("hidden_dropout", "attention_dropout")}
+    if any(rate > 0 for rate in rates.values()):
+        log.warning("MegatronRLStep: TransformerConfig %s: dropout makes every forward random, so the step is not "
+                    "exact (a float64 reference of the same mini-batch differs) and the PPO ratio mixes in the dropout "
+                    "noise. Set hidden_dropout=0.0 and attention_dropout=0.0 (docs/megatron.md).",
+                    ", ".join(f"{k} = {v}" for k, v in rates.items()))
 
 
 class MegatronRLStep(StepCore):
@@ -115,6 +144,7 @@ class MegatronRLStep(StepCore):
         require_megatron()
         from megatron.core.utils import get_model_config
 
+        _check_optimizer(optimizer)
         if convention not in CONVENTIONS:
             raise ValueError(f"convention {convention!r} must be one of {CONVENTIONS}")
         self.model = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -128,6 +158,7 @@ class MegatronRLStep(StepCore):
         super().__init__(view, self.driver, loss_agg=loss_agg, mini_batch_size=mini_batch_size,
                          loss_agg_norm_length=loss_agg_norm_length)
         self.config = get_model_config(self.model[0])
+        _warn_dropout(self.config)
         self._wire_hooks()
 
     # -- construction ---------------------------------------------------------------------------

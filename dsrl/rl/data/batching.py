@@ -194,3 +194,18 @@ def completion_positions(samples: list[Sample]) -> list[slice]:
 
 def chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def completion_values(groups: list[list[Sample]], outs: list[torch.Tensor]) -> list[list[float]]:
+    """Each sample's completion positions of a pass's ``[b, t]`` outputs (one per micro-batch ``groups[i]``), as
+    lists, in sample order, with one device-to-host copy for the whole pass (ARCHITECTURE §4: a no-grad pass
+    synchronizes the device at most once, at its end)."""
+    pieces = [row[sl] for g, out in zip(groups, outs) for row, sl in zip(out, completion_positions(g))]
+    if not pieces:
+        return []
+    flat = torch.cat(pieces).cpu().tolist()
+    values, at = [], 0
+    for piece in pieces:
+        values.append(flat[at:at + len(piece)])
+        at += len(piece)
+    return values

@@ -17,8 +17,15 @@ weights, prompts and seeds: a resumed run regenerates what was in flight. The ne
 posted before generating, so trainer 0's send never waits for a generation. Idle time (waiting for weights)
 and generation time travel with the samples into the trainers' metrics.
 
-Failures: a trainer that is gone, or no weights within ``run.collective_timeout_s``, end the generator with a
-message naming the trainer side; the launcher stops the job.
+The generator is built by the same :class:`dsrl.rl.policy.rollout_side.RolloutSide` as the trainers (LoRA structure
+and parameter flags included), and the trainers' published ``state_dict`` lands in the same module the local
+backends generate with; a ``vllm`` backend takes the merged weights from it at each sync.
+
+Start and failures: the generator's checks (vLLM's refusals among them) are agreed with the trainers' before any
+work, so a configuration error of either side is printed once, by rank 0; trainer 0 ending before the start
+message sends an abort instead (the generator then ends with its status, silently). A trainer that is gone, or no
+weights within ``run.collective_timeout_s``, end the generator with a message naming the trainer side (and any
+rank of its host that has ended); the launcher stops the job. Rollouts are numbered as the console numbers them.
 """
 
 from __future__ import annotations
@@ -27,10 +34,7 @@ import logging
 import time
 from typing import Any
 
-import torch
-
-from dsrl.config import Config
-from dsrl.config.names import VLLM_BACKEND
+from dsrl.config import Config, ConfigError
 from dsrl.core.errors import RunError
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.disagg.roles import Role
@@ -38,6 +42,7 @@ from dsrl.rl.disagg.wire import (
     SampleMessage,
     WeightLayout,
     WeightReceiver,
+    describe_failure,
     finished,
     recv_control,
     send_samples,
@@ -51,51 +56,55 @@ class GeneratorWorker:
     """One generator rank (module docstring). ``run()`` returns the process exit status."""
 
     def __init__(self, cfg: Config, role: Role):
+        from dsrl.backends.deepspeed.config import data_parallel_size
         from dsrl.backends.deepspeed.engine import on_gpu
         from dsrl.rl.data.prompts import PromptSampler, PromptSource, load_prompts
-        from dsrl.rl.policy.model import build_model, resolve_dtype
-        from dsrl.rl.policy.moe import check_moe_run
-        from dsrl.rl.policy.tokenizer import load_tokenizer
-        from dsrl.rollout import make_backend
+        from dsrl.rl.policy.rollout_side import RolloutSide
 
         d = self.d = cfg.dsrl
         self.role = role
-        gpu = on_gpu()
-        check_moe_run(cfg, gpu)  # the trainer ranks refuse the same run file with the same sentence
-        self.tokenizer = tok = load_tokenizer(d.model)
-        records = load_prompts(d.data, seed=d.run.seed)
-        sampler = PromptSampler(len(records), d.batch.prompts_per_rollout, seed=d.run.seed,
-                                last_rollout=d.run.last_rollout)
-        self.prompts = PromptSource(records, sampler, tok, d.data)
-        model = build_model(d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, on_gpu=gpu, seed=d.run.seed)
-        if gpu:
-            import os
-
-            model = model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-        model.to(resolve_dtype(d.model.dtype, gpu)).eval().requires_grad_(False)
-        self.model = model
-        kwargs = {}
-        if d.rollout.backend == VLLM_BACKEND:
-            kwargs = {"max_model_len": d.data.max_prompt_tokens + d.rollout.max_new_tokens,
-                      "samples_per_prompt": d.batch.samples_per_prompt, "seed": d.run.seed}
-        self.backend = make_backend(d.rollout, model, tok, **kwargs)
         self.bound_s = d.run.collective_timeout_s
+        self.status = 0
+        # The checks first, agreed with the trainers' (dsrl.rl.disagg.roles.Role.agree): a configuration error of
+        # either side is printed once, by rank 0, and every rank stops before any work.
+        problem: ConfigError | RunError | None = None
+        try:
+            self.side = RolloutSide(cfg, on_gpu())  # the same build as the trainers' (dsrl.rl.policy.rollout_side)
+            records = load_prompts(d.data, seed=d.run.seed)
+            sampler = PromptSampler(len(records), d.batch.prompts_per_rollout, seed=d.run.seed,
+                                    last_rollout=d.run.last_rollout)
+            self.prompts = PromptSource(records, sampler, self.side.tokenizer, d.data)
+            self.side.build_model()
+            self.side.check()  # this rank builds the backend: vLLM's refusals are found here, before any work
+            self.side.check_moe()  # the trainers refuse the same run file with the same sentence
+        except (ConfigError, RunError) as e:
+            problem = e
+        role.agree(problem)
+        self.model = self.side.on_generator_device()
+        self.weights = self.side.weights()  # where the trainers' published state_dict lands, name for name
+        try:
+            # each call generates one trainer replica's share of a rollout, as the colocated replica's call would
+            replicas = data_parallel_size(cfg.ds_config, role.trainers)
+            self.backend = self.side.backend(self.model, d.batch.prompts_per_rollout // replicas)
+        except Exception as e:  # noqa: BLE001 - any failure to build it is reported as one sentence
+            raise RunError(f"{role.describe(role.global_rank)}: could not build the rollout backend "
+                           f"{d.rollout.backend!r}: {type(e).__name__}: {describe_failure(e)}") from e
 
     def run(self) -> int:
         try:
             self._loop()
         finally:
             self.backend.close()
-        return 0
+        return self.status
 
     def _deadline(self) -> float:
         return time.monotonic() + self.bound_s
 
     def _trainer_gone(self, what: str, exc: BaseException | None = None) -> RunError:
-        why = f" ({str(exc).splitlines()[0][:120]})" if exc else ""
-        return RunError(f"{self.role.describe(self.role.global_rank)}: {what}{why}; the trainer side stopped or "
-                        "hangs (see its messages)")
+        why = f" ({describe_failure(exc)})" if exc is not None else ""
+        gone = self.role.obituary()
+        return RunError(f"{self.role.describe(self.role.global_rank)}: {what}{why}"
+                        + (f"; {gone}" if gone else "") + "; the trainer side stopped or hangs (see its messages)")
 
     def _loop(self) -> None:
         role, d = self.role, self.d
@@ -103,8 +112,11 @@ class GeneratorWorker:
             control = recv_control(role.sync, self._deadline())
         except TimeoutError as e:
             raise self._trainer_gone(f"no start message from trainer 0 within {self.bound_s:g} s") from e
-        except RuntimeError as e:  # trainer 0 ended before the run started (a configuration error, see its message)
-            raise self._trainer_gone("trainer 0 ended before the run started", e) from e
+        except RuntimeError as e:  # trainer 0 ended before the run started without saying so (see its message)
+            raise self._trainer_gone(f"{role.describe(0)} ended before the run started", e) from e
+        if "abort" in control:  # trainer 0 stopped before the start and printed why
+            self.status = int(control["abort"])
+            return
         start, v0, last, k = control["rollout"], control["version"], control["rollouts"], control["max_staleness"]
         self.prompts.sampler.load_state_dict(control["sampler"])
         sources: list[int] = control["sources"]
@@ -124,14 +136,16 @@ class GeneratorWorker:
                 try:
                     got = receiver.take(self._deadline())
                 except RuntimeError as e:
-                    raise self._trainer_gone(f"lost trainer 0 while waiting for version {need}", e) from e
+                    raise self._trainer_gone(f"lost {role.describe(0)} while waiting for the weights of rollout "
+                                             f"{r + 1} (version {need})", e) from e
                 if got is None:
-                    raise self._trainer_gone(f"no weights of version {need} within {self.bound_s:g} s")
+                    raise self._trainer_gone(f"no weights for rollout {r + 1} (version {need}) within "
+                                             f"{self.bound_s:g} s")
                 version, stop = got
                 if stop:
                     self._finish(pending)
                     return
-                layout.unpack(receiver.buffers, self.model.state_dict())
+                layout.unpack(receiver.buffers, self.weights.state_dict())
                 self.backend.sync_weights()
                 receiver.post()
             idle = time.perf_counter() - t_idle

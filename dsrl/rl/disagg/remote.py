@@ -14,9 +14,11 @@ correction, advantages and data path):
   returned (an error: the protocol guarantees it);
 - waiting is bounded: a generator that sent nothing within 0.9 x ``run.collective_timeout_s`` (a hang), or
   whose connection closed (a death), and a stop request while waiting, are agreed on by every trainer (one
-  small all-gather) and raised as :class:`GenerationStopped` naming the generator's role, rank and host; the
-  trainer then commits a checkpoint of its side and ends;
-- ``close()`` sends the stop message; generators exit when they read it.
+  small all-gather) and raised as :class:`GenerationStopped` naming the generator's role, rank and host (and
+  whether its process is frozen); the trainer then commits a checkpoint of its side and ends, and a hung generator
+  of its host is ended once the trainers have exited (:meth:`dsrl.runtime.peers.Peers.end_after_exit`);
+- ``close()`` sends the stop message; generators exit when they read it;
+- rollouts are numbered in messages as the console numbers them (the first is rollout 1).
 
 With k = 0, every rollout is generated from the weights the trainer holds when it starts that rollout, by the
 same backend, seeds and generation batches as the colocated replica would use, so training is bitwise the
@@ -38,17 +40,20 @@ from dsrl.core.plan import BatchPlan
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import is_source
 from dsrl.rl.disagg.roles import Role
-from dsrl.rl.disagg.wire import SampleReceiver, WeightLayout, WeightSender, send_control
+from dsrl.rl.disagg.wire import SampleReceiver, WeightLayout, WeightSender, describe_failure, send_control
 from dsrl.rollout.base import Completion, RolloutBackend
 from dsrl.rollout.policy import gathered_for_generation, unwrap
+from dsrl.runtime.peers import FROZEN
 
 
 class GenerationStopped(RunError):
-    """Generation cannot continue: a generator is lost, or a stop was requested while waiting for samples."""
+    """Generation cannot continue: a generator is lost, or a stop was requested while waiting for samples.
+    ``hung``: the global ranks of generators that sent nothing within the bound (alive, not answering)."""
 
-    def __init__(self, message: str, requested: bool):
+    def __init__(self, message: str, requested: bool, hung: list[int] | None = None):
         super().__init__(message, agreed=True)
         self.requested = requested
+        self.hung = hung or []
 
 
 def replica_owner(replica: int, replicas: int, generators: int) -> int:
@@ -71,11 +76,15 @@ class RemoteRolloutBackend(RolloutBackend):
         self.sources = [rank for _, rank in sorted((r, g) for r, s, g in pairs if s)]  # replica -> its source
         self.owner = role.generator_global_rank(replica_owner(self.replica, plan.data_parallel_size, role.generators))
         self.receiver = SampleReceiver(role.bridge, self.owner) if self.is_source else None
-        self.layout = WeightLayout.of(self.module.state_dict()) if role.global_rank == 0 else None
+        # The layout is read from the full weights (under ZeRO-3 the module's own tensors are empty shards outside
+        # the gather): one gather, collective among the trainers, like every publish.
+        with torch.no_grad(), gathered_for_generation(self.module, self.policy):
+            self.layout = WeightLayout.of(self.module.state_dict()) if role.global_rank == 0 else None
         self.sender = WeightSender(role.sync, self.layout) if role.global_rank == 0 else None
         self.start_version: int | None = None
         self.version: int | None = None  # the version published last (= the rollout being made)
         self.timing: dict[str, float] = {}
+        self.lost = False  # a generator is gone or hangs: close() does not wait for it
 
     def returns_routes(self) -> bool:
         """Whether the generators' backend (the run's ``rollout.backend`` on the same policy) records routes."""
@@ -90,15 +99,31 @@ class RemoteRolloutBackend(RolloutBackend):
         return 0.9 * self.cfg.run.collective_timeout_s
 
     def begin(self, rollout_index: int) -> None:
-        """Trainer 0 tells the generators where this invocation starts (collective-free)."""
+        """Trainer 0 tells the generators where this invocation starts; every trainer learns whether they took it
+        (one small all-gather among the trainers), so a generator that ended before the start (its own error, see
+        its message) stops every trainer at once, named."""
         self.start_version = rollout_index
-        if self.sender is None:
-            return
-        send_control(self.role.sync, {
-            "rollout": rollout_index, "version": rollout_index, "rollouts": self.plan.rollouts,
-            "max_staleness": self.plan.max_staleness, "sampler": self.prompts.sampler.state_dict(),
-            "sources": self.sources, "layout": self.layout.to_json(),
-        })
+        status = "ok"
+        if self.sender is not None:
+            try:
+                send_control(self.role.sync, {
+                    "rollout": rollout_index, "version": rollout_index, "rollouts": self.plan.rollouts,
+                    "max_staleness": self.plan.max_staleness, "sampler": self.prompts.sampler.state_dict(),
+                    "sources": self.sources, "layout": self.layout.to_json(),
+                }, deadline=time.monotonic() + self.bound_s)
+                self.role.started = True
+            except (RuntimeError, TimeoutError) as e:
+                gone = self.role.obituary()
+                status = (f"{gone}; the generators did not take the start message" if gone else
+                          f"the generator ranks did not take the start message ({describe_failure(e)}): a generator "
+                          "ended before the run started or does not answer (see its message)")
+        statuses: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(statuses, status)
+        problem = next((s for s in statuses if s != "ok"), None)
+        if problem is not None:
+            self.lost = True
+            raise GenerationStopped(f"{problem}; the trainer side stops before rollout {rollout_index + 1}",
+                                    requested=False)
 
     def sync_weights(self) -> None:
         """Publish the weights as the next version (collective among the trainers under ZeRO-3)."""
@@ -115,29 +140,36 @@ class RemoteRolloutBackend(RolloutBackend):
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
         """This replica's completions of the current rollout, as its generator sent them (module docstring)."""
         t0 = time.perf_counter()
-        status, msg = "ok", None
+        status, msg, hung = "ok", None, None
+        rollout = self.version + 1  # as the console counts rollouts
         if self.receiver is not None:
             def requested() -> bool:
                 return self.stop is not None and self.stop.requested_at is not None
 
             try:
                 msg = self.receiver.receive(time.monotonic() + self.bound_s, requested)
-                if msg is None:
-                    status = "stopped" if requested() else (
-                        f"{self.role.describe(self.owner)} sent no samples for rollout {self.version} within "
-                        f"{self.bound_s:.0f} s (0.9 x dsrl.run.collective_timeout_s): it hangs")
+                if msg is None and not requested():
+                    hung = self.owner
+                    state = self.role.peers.state(self.owner) if self.role.peers is not None else None
+                    status = (f"{self.role.describe(self.owner)} sent no samples for rollout {rollout} within "
+                              f"{self.bound_s:.0f} s (0.9 x dsrl.run.collective_timeout_s): it "
+                              f"{'is frozen (its process is stopped)' if state == FROZEN else 'hangs'}")
+                elif msg is None:
+                    status = "stopped"
             except RuntimeError as e:  # the connection closed: the generator died
-                status = (f"{self.role.describe(self.owner)} is gone while rollout {self.version} was expected "
-                          f"({str(e).splitlines()[0][:120]})")
+                status = (f"{self.role.describe(self.owner)} is gone while rollout {rollout} was expected "
+                          f"({describe_failure(e)})")
         statuses: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(statuses, status)
-        problems = [s for s in statuses if s != "ok"]
+        dist.all_gather_object(statuses, (status, hung))
+        problems = [s for s, _ in statuses if s != "ok"]
         if problems:
             stopped = all(s == "stopped" for s in problems)
+            self.lost = not stopped
             text = "a stop was requested while the trainers waited for samples" if stopped else next(
                 s for s in problems if s != "stopped")
             raise GenerationStopped(text + "; the trainer side commits a checkpoint and stops (resume with --resume "
-                                    "auto once every rank is healthy)", requested=stopped)
+                                    "auto once every rank is healthy)", requested=stopped,
+                                    hung=sorted({h for _, h in statuses if h is not None}))
         wait_s = time.perf_counter() - t0
         self.timing.update(wait_s=wait_s, generation_s=msg.generation_s if msg else 0.0,
                            idle_s=msg.idle_s if msg else 0.0)
@@ -150,17 +182,18 @@ class RemoteRolloutBackend(RolloutBackend):
         rollout = self.version
         k = self.plan.max_staleness
         if msg.rollout != rollout or msg.replica != self.replica:
-            raise RuntimeError(f"expected rollout {rollout} of replica {self.replica} from "
-                               f"{self.role.describe(self.owner)}, got rollout {msg.rollout} of replica {msg.replica}")
+            raise RuntimeError(f"expected rollout {rollout + 1} of replica {self.replica} from "
+                               f"{self.role.describe(self.owner)}, got rollout {msg.rollout + 1} of replica "
+                               f"{msg.replica}")
         if rollout - msg.version > k or msg.version > rollout:
-            raise RuntimeError(f"rollout {rollout} arrived generated with version {msg.version}, outside the staleness "
-                               f"bound k = {k} (dsrl.algorithm.max_staleness)")
+            raise RuntimeError(f"rollout {rollout + 1} arrived generated with version {msg.version}, outside the "
+                               f"staleness bound k = {k} (dsrl.algorithm.max_staleness)")
         want = [list(p) for p in prompt_ids for _ in range(samples_per_prompt)]
         got = [list(c.prompt_ids) for c in msg.completions]
         if got != want:
             raise RuntimeError(f"{self.role.describe(self.owner)} generated other prompts than the trainer drew for "
-                               f"rollout {rollout} of replica {self.replica}: the two sides' prompt streams diverged "
-                               "(dsrl.data / dsrl.run.seed must be the same on every rank)")
+                               f"rollout {rollout + 1} of replica {self.replica}: the two sides' prompt streams "
+                               "diverged (dsrl.data / dsrl.run.seed must be the same on every rank)")
 
     def take_timing(self) -> dict[str, float]:
         out, self.timing = self.timing, {}
@@ -168,10 +201,12 @@ class RemoteRolloutBackend(RolloutBackend):
 
     def close(self) -> None:
         """Trainer 0 sends the stop message (generators exit when they read it); errors are ignored (a generator
-        may already be gone)."""
-        if self.sender is None or self.start_version is None:
+        may already be gone). After a lost or hung generator it waits 2 s at most instead of 30 (the others end at
+        the stop message or at their own bound)."""
+        if self.sender is None or not self.role.started:
             return
+        patience = 2.0 if self.lost else 30.0
         with contextlib.suppress(Exception):
             self.sender.send(self.version if self.version is not None else self.start_version, None,
-                             time.monotonic() + 30.0)
-            self.sender.drain(time.monotonic() + 30.0)
+                             time.monotonic() + patience)
+            self.sender.drain(time.monotonic() + patience)

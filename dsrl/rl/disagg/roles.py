@@ -15,8 +15,9 @@ once, at start-up, before DeepSpeed sees anything:
 - two more groups span roles, built on the job's TCP store (``MASTER_ADDR:MASTER_PORT``, served by rank 0): the
   bridge (all W ranks; point to point: samples travel generator -> trainer) and the sync group (trainer 0 and
   the generators; broadcasts: control messages and weights travel trainer 0 -> generators). They are gloo
-  groups with the collective bound ``run.collective_timeout_s``; every rank publishes its host name in the store,
-  so a message about a lost rank names its role, rank and host.
+  groups with the collective bound ``run.collective_timeout_s``; every rank publishes its host, process id and
+  start time in the store (:class:`dsrl.runtime.peers.Peers`), so a message about a lost or frozen rank names
+  its role, rank and host, whichever side noticed it first.
 
 Invariant: every rank calls :func:`split_world` once, with the same configuration, before any other
 torch.distributed call; a colocated job gets None and nothing changes.
@@ -24,9 +25,11 @@ torch.distributed call; a colocated job gets None and nothing changes.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import socket
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,9 +37,10 @@ import torch.distributed as dist
 
 from dsrl.config import ConfigError, DsrlConfig
 from dsrl.config.names import DISAGGREGATED
-from dsrl.core import timeouts
+from dsrl.core import collectives, timeouts
 from dsrl.core.errors import RunError
 from dsrl.core.plan import trainer_world_size
+from dsrl.runtime.peers import Peers
 
 TRAINER, GENERATOR = "trainer", "generator"
 
@@ -52,7 +56,10 @@ class Role:
     store: Any
     bridge: Any  # gloo group of all W ranks (point to point)
     sync: Any  # gloo group of trainer 0 and the generators (broadcast from trainer 0); None elsewhere
-    hosts: list[str] = field(default_factory=list)
+    peers: Peers | None = None  # every rank's host and process: who ended (dsrl.runtime.peers)
+    # the generators know how the run starts: trainer 0 sent the start message
+    # (dsrl.rl.disagg.remote.RemoteRolloutBackend.begin), or every rank ends on an agreed start-up error
+    started: bool = False
 
     @property
     def generators(self) -> int:
@@ -67,10 +74,49 @@ class Role:
 
     def describe(self, global_rank: int) -> str:
         """'generator 0 (rank 2 on host a)' for a rank of the job."""
-        kind = TRAINER if global_rank < self.trainers else GENERATOR
-        index = global_rank if kind == TRAINER else global_rank - self.trainers
-        host = self.hosts[global_rank] if global_rank < len(self.hosts) else "?"
-        return f"{kind} {index} (rank {global_rank} on host {host})"
+        if self.peers is not None:
+            return self.peers.describe(global_rank)
+        return f"{_label(global_rank, self.trainers)} (rank {global_rank})"
+
+    def obituary(self) -> str | None:
+        """The ranks of this host that have ended or are frozen, named (:meth:`dsrl.runtime.peers.Peers.obituary`),
+        or None."""
+        return self.peers.obituary() if self.peers is not None else None
+
+    def agree(self, problem: BaseException | None) -> None:
+        """Every rank of the job, trainers and generators, shares the outcome of its checks before any work (one
+        all-gather over the bridge): if any rank's ended in a ConfigError or RunError, every rank raises the same
+        agreed error (:func:`dsrl.core.collectives.shared_error`: printed once, by rank 0). ``problem``: this
+        rank's (None: its checks passed). A rank that ended without reaching this point is reported as such."""
+        from dsrl.rl.disagg.wire import all_gather_bytes
+
+        mine = json.dumps(collectives.outcome(problem)).encode()
+        try:
+            gathered = all_gather_bytes(self.bridge, mine, self.world)
+        except RuntimeError as e:
+            raise RunError(f"{self.describe(self.global_rank)}: another rank of the job ended before the run started "
+                           "(its message, or the launcher's, says why)") from e
+        err = collectives.shared_error([None if o is None else tuple(o) for o in map(json.loads, gathered)])
+        if err is not None:
+            self.started = True  # every rank ends on this error: there is nothing to abandon
+            raise err
+
+    def abandon(self, status: int) -> None:
+        """Trainer 0, ending before it sent the start message (an error after the agreement): tell the generators
+        to end with ``status`` and nothing else (trainer 0 prints why), instead of letting them find the connection
+        closed. A no-op on every other rank and once the run started."""
+        if self.global_rank != 0 or self.started or self.sync is None:
+            return
+        from dsrl.rl.disagg.wire import send_control
+
+        self.started = True
+        with contextlib.suppress(Exception):
+            send_control(self.sync, {"abort": int(status)}, deadline=time.monotonic() + 10.0)
+
+
+def _label(global_rank: int, trainers: int) -> str:
+    """'trainer 1' or 'generator 0' for a rank of a job whose first ``trainers`` ranks train."""
+    return f"{TRAINER} {global_rank}" if global_rank < trainers else f"{GENERATOR} {global_rank - trainers}"
 
 
 def _launcher_env() -> tuple[int, int, str, int]:
@@ -95,8 +141,7 @@ def split_world(cfg: DsrlConfig) -> Role | None:
     bound = timedelta(seconds=cfg.run.collective_timeout_s)
     try:
         store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=join)
-        store.set(f"dsrl/host/{rank}", socket.gethostname())
-        hosts = [store.get(f"dsrl/host/{r}").decode() for r in range(world)]
+        peers = Peers.publish(store, rank, world, label=lambda r: _label(r, trainers))
     except RuntimeError as e:
         if timeouts.looks_like_timeout(e):
             raise RunError(f"rank {rank}: not all {world} ranks reached {addr}:{port} within "
@@ -104,7 +149,7 @@ def split_world(cfg: DsrlConfig) -> Role | None:
                            "rank that never started") from e
         raise
     kind = TRAINER if rank < trainers else GENERATOR
-    _rewrite_environment(rank, world, trainers, hosts, kind)
+    _rewrite_environment(rank, world, trainers, peers.hosts, kind)
     if kind == TRAINER:
         from deepspeed.accelerator import get_accelerator
 
@@ -116,7 +161,7 @@ def split_world(cfg: DsrlConfig) -> Role | None:
     if rank == 0 or kind == GENERATOR:
         index = 0 if rank == 0 else rank - trainers + 1
         sync = dist.ProcessGroupGloo(dist.PrefixStore("dsrl/sync", store), index, world - trainers + 1, bound)
-    return Role(kind, rank, world, trainers, store, bridge, sync, hosts)
+    return Role(kind, rank, world, trainers, store, bridge, sync, peers)
 
 
 def _rewrite_environment(rank: int, world: int, trainers: int, hosts: list[str], kind: str) -> None:

@@ -20,6 +20,7 @@ weight lands in the generator's tensor of the same name, bit for bit (dtype conv
 from __future__ import annotations
 
 import json
+import re
 import struct
 import threading
 import time
@@ -96,10 +97,14 @@ _WAITERS: dict[int, tuple[Any, threading.Event, list]] = {}
 # -- control --------------------------------------------------------------------------------------------------
 
 
-def send_control(group: Any, doc: Mapping[str, Any]) -> None:
+def send_control(group: Any, doc: Mapping[str, Any], deadline: float | None = None) -> None:
+    """Broadcast ``doc`` from trainer 0 (the start message, or ``{"abort": status}``); a TimeoutError if the
+    generators did not take it by ``deadline``, a RuntimeError if one is gone."""
     data = np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)
-    _broadcast(group, torch.tensor([data.size], dtype=torch.int64)).wait()
-    _broadcast(group, torch.from_numpy(data.copy())).wait()
+    size, payload = torch.tensor([data.size], dtype=torch.int64), torch.from_numpy(data.copy())
+    for work in (_broadcast(group, size), _broadcast(group, payload)):
+        if not wait(work, deadline):
+            raise TimeoutError("a generator did not take the control message")
 
 
 def recv_control(group: Any, deadline: float | None = None) -> dict[str, Any]:
@@ -109,6 +114,33 @@ def recv_control(group: Any, deadline: float | None = None) -> dict[str, Any]:
     data = torch.zeros(int(size.item()), dtype=torch.uint8)
     _broadcast(group, data).wait()
     return json.loads(bytes(data.numpy()).decode())
+
+
+def all_gather_bytes(group: Any, data: bytes, world: int) -> list[bytes]:
+    """Every rank's ``data`` in rank order, on every rank of ``group`` (a raw gloo group of ``world`` ranks: the
+    bridge), within the group's bound. Two all-gathers: the lengths, then the padded bytes."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    group.allgather([sizes], [size]).wait()
+    longest = max(1, max(int(s.item()) for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    group.allgather([out], [mine]).wait()
+    return [bytes(t[:int(n.item())].numpy()) for t, n in zip(out, sizes)]
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A peer's failure as a few words for a message: 'its connection closed', 'it did not answer in time', or
+    the error's first sentence without the C++ source location gloo puts in front."""
+    text = str(exc).strip()
+    lowered = text.lower()
+    if "connection closed" in lowered or "connection reset" in lowered or "broken pipe" in lowered:
+        return "its connection closed"
+    if "timed out" in lowered or "timeout" in lowered:
+        return "it did not answer in time"
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(exc).__name__)
+    return first.split(". ")[0][:160]
 
 
 # -- weights --------------------------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ Scoring (:func:`score_trajectories`): the rule reward of a trajectory is the sum
 ``data.reward_fn`` of its last model turn's text when one is set; the accuracy of a built-in task is measured on
 that text too. The rest of the pipeline takes the samples as they are: group advantages per prompt, the data
 path, token budgets (a trajectory is one sequence), the critic and KL on model tokens only.
+
+The experience maker (:class:`dsrl.rl.experience.ExperienceMaker`) builds one runner for the run with explicit
+collaborators and calls :meth:`EpisodeRunner.run` then :func:`score_trajectories` in place of a single-turn
+round's ``generate`` and scoring; nothing here reaches back into it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dsrl.config import ConfigError
+from dsrl.config import ConfigError, DataConfig
 from dsrl.core.collectives import all_reduce_floats
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.data.batching import Sample
@@ -93,14 +97,6 @@ class EpisodeRunner:
         self.phases = phases or PhaseClock()
         self._episodes: dict[int, Any] = {}
         self._overflow_told = False
-
-    @classmethod
-    def of(cls, maker: Any) -> EpisodeRunner:
-        """The runner of an :class:`dsrl.rl.experience.ExperienceMaker`'s settings and collaborators."""
-        d = maker.d
-        return cls(maker.backend, maker.tokenizer, maker.rewards.environment,
-                   ObservationEncoder(maker.tokenizer, d.data.chat_template), d.rollout.max_turns,
-                   d.rollout.max_trajectory_tokens, maker.view, maker.device, maker.watch, maker.phases)
 
     def run(self, records: list[dict], prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
             labels: list[int] | None = None) -> list[Trajectory]:
@@ -215,42 +211,29 @@ class EpisodeRunner:
                     self.env.what, where, n, room, self.max_tokens)
 
 
-def score_trajectories(maker: Any, indices: list[int], records: list[dict], trajs: list[Trajectory],
-                       model_scores: list[float] | None = None) -> list[list[Sample]]:
+def score_trajectories(indices: list[int], records: list[dict], trajs: list[Trajectory], *,
+                       reward_fn: Callable[..., list[float]] | None, accuracy_fn: Callable[..., list[Any]] | None,
+                       data: DataConfig, version: int, model_scores: list[float] | None = None) -> list[list[Sample]]:
     """One group of samples per prompt (module docstring: the rule reward is the environment's sum, plus
-    ``data.reward_fn`` of the last model turn when set), weighted like a single completion's reward."""
-    data, r = maker.d.data, maker.rewards
+    ``reward_fn`` of the last model turn when set), weighted like a single completion's reward by ``data``'s
+    ``rule_reward_weight`` and ``reward_model_weight``; every sample carries the policy ``version`` that generated
+    it."""
     if not trajs:
         return []
     texts = [t.last_text for t in trajs]
     prompts_rep = [records[t.prompt_index]["prompt"] for t in trajs]
     answers_rep = [records[t.prompt_index].get("answer") for t in trajs]
     rule = [t.reward for t in trajs]
-    if r.reward_fn is not None:
-        rule = [x + float(y) for x, y in zip(rule, r.reward_fn(prompts_rep, texts, answers_rep))]
+    if reward_fn is not None:
+        rule = [x + float(y) for x, y in zip(rule, reward_fn(prompts_rep, texts, answers_rep))]
     rewards = [data.rule_reward_weight * x for x in rule]
     if model_scores is not None:
         rewards = [x + data.reward_model_weight * m for x, m in zip(rewards, model_scores)]
-    accs = r.accuracy_fn(prompts_rep, texts, answers_rep) if r.accuracy_fn else [None] * len(trajs)
+    accs = accuracy_fn(prompts_rep, texts, answers_rep) if accuracy_fn else [None] * len(trajs)
     groups: list[list[Sample]] = [[] for _ in indices]
     for t, reward, acc in zip(trajs, rewards, accs):
-        groups[t.prompt_index].append(t.sample(indices[t.prompt_index], reward, acc, maker.version))
+        groups[t.prompt_index].append(t.sample(indices[t.prompt_index], reward, acc, version))
     return groups
-
-
-def generate_trajectory_groups(maker: Any, indices: list[int], seed: int) -> list[list[Sample]]:
-    """:meth:`dsrl.rl.experience.ExperienceMaker._generate_groups` for a run with an environment: the same
-    result (one group of G scored samples per prompt), each sample a trajectory."""
-    records, prompt_ids = maker.prompts.encode(indices)
-    trajs = EpisodeRunner.of(maker).run(records, prompt_ids, maker.plan.samples_per_prompt, seed, labels=indices)
-    with maker.watch.phase("reward"), maker.phases.phase("reward"):
-        scores = None
-        model = maker.rewards.model
-        if model is not None:  # on every rank: a sharded reward model's forwards are collective
-            before = model.filler_forwards
-            scores = model.score([t.tokens for t in trajs])
-            maker._rm_fillers += model.filler_forwards - before
-        return share_with_tensor_peers(maker.view, lambda: score_trajectories(maker, indices, records, trajs, scores))
 
 
 # -------------------------------------------------------------------------------------------- demonstrations

@@ -1,0 +1,125 @@
+"""One build of the rollout side for every placement: the tokenizer, the policy model with its LoRA structure, and
+the generation backend with its arguments.
+
+Colocated ranks, the trainer ranks and the generator ranks of a disaggregated job (ARCHITECTURE §8) all build
+their side here, so the three cannot drift apart. Invariants of :class:`RolloutSide`:
+
+- every rank that builds it from the same ``dsrl`` section gets the same tokenizer and a bit-identical model
+  (:func:`dsrl.rl.policy.model.build_model`: seeded, offline), LoRA adapters included: a generator holds the same
+  PEFT structure as the trainers, so the weights the trainers publish (their module's ``state_dict``, adapters
+  and all) land in tensors of the same names, and a backend with its own copy of the weights (vLLM) takes the
+  merged ones from it (:func:`dsrl.rollout.policy.generation_weights`);
+- the model is built in the same state on every role, parameter flags included: a generator never trains, yet its
+  trainable parameters keep ``requires_grad`` like the trainer's. ATen multiplies the last position's hidden
+  state (a non-contiguous ``[b, 1, h]`` slice) by the output head through another kernel when the weight requires
+  grad, so a generator with frozen weights sampled from logits about 1e-7 away from the colocated replica's and
+  its behavior log-probs broke the bitwise equality of k = 0 with a correction (``tis``) that uses them;
+- :meth:`RolloutSide.check` refuses, before any work, what the rank that generates cannot serve (vLLM missing, a
+  head size or architecture vLLM lacks), with the colocated path's sentence on every placement;
+- the backend's arguments (vLLM's ``max_model_len``, G and seed; continuous batching's bounds of the run's largest
+  call) are computed once, here (:meth:`RolloutSide.backend_kwargs`), for colocated and generator ranks alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsrl.config import Config, ConfigError
+from dsrl.config.names import VLLM_BACKEND
+from dsrl.rollout import RolloutBackend, make_backend
+from dsrl.rollout.policy import unwrap
+
+
+class RolloutSide:
+    """What a rank needs to generate with (or to publish weights for) the run's policy (module docstring).
+
+    ``RolloutSide(cfg, on_gpu)`` loads the tokenizer; :meth:`build_model` builds the policy (once);
+    :meth:`check` runs the generating rank's refusals; :meth:`backend` builds the run's backend on a policy (the
+    trainer's engine when colocated, this side's own model on a generator)."""
+
+    def __init__(self, cfg: Config, on_gpu: bool):
+        from dsrl.rl.policy.tokenizer import load_tokenizer
+
+        self.cfg, self.d, self.on_gpu = cfg, cfg.dsrl, on_gpu
+        self.tokenizer = load_tokenizer(self.d.model)
+        self._model: torch.nn.Module | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            raise RuntimeError("RolloutSide.build_model() must run first")
+        return self._model
+
+    def build_model(self) -> torch.nn.Module:
+        """The policy (a transformers model, a PEFT model with ``dsrl.model.lora``), in train mode on the CPU, its
+        parameters' ``requires_grad`` as training wants them; built once, the same on every rank."""
+        if self._model is None:
+            from dsrl.rl.policy.model import build_model
+
+            tok = self.tokenizer
+            self._model = build_model(self.d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                      on_gpu=self.on_gpu, seed=self.d.run.seed)
+        return self._model
+
+    def weights(self) -> torch.nn.Module:
+        """The module whose ``state_dict`` crosses from the trainers to a generator: the transformers model (a
+        PEFT model's inner one, whose layers carry the adapters), the same module the local backends generate
+        with."""
+        return unwrap(self.model)[0]
+
+    def check(self) -> None:
+        """Refuse, before any work, a backend this rank cannot build: ``vllm`` without vLLM (the install hint) or a
+        model vLLM cannot serve (vLLM under AutoTP is refused with the run file: dsrl.config.support). Call it on the
+        ranks that generate locally (colocated ranks, generator ranks), after :meth:`build_model`."""
+        if self.d.rollout.backend != VLLM_BACKEND:
+            return
+        from dsrl.rollout.vllm import check_servable
+
+        try:
+            check_servable(self.weights().config, on_cpu=not self.on_gpu)
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
+
+    def check_moe(self) -> Any:
+        """The mixture-of-experts refusals that need the model or this machine
+        (:func:`dsrl.rl.policy.moe.check_moe_run`: replay or a load-balancing loss with a dense or unroutable model,
+        replay with a backend that cannot return routes here); every rank of every role runs them. Returns the
+        policy's routing layout (None when dense)."""
+        from dsrl.rl.policy.moe import check_moe_run
+
+        return check_moe_run(self.cfg, self.on_gpu)
+
+    def backend_kwargs(self, prompts_per_call: int) -> dict[str, Any]:
+        """What a backend needs beyond the rollout settings: a vLLM engine its sizes and seed; continuous batching
+        (``cb``, ``auto``) the run's largest call (:class:`dsrl.rollout.cb.CallBounds`: ``prompts_per_call`` prompts
+        of G samples, each sequence at most ``max_generation_tokens``), so one manager serves every rollout."""
+        d = self.d
+        if d.rollout.backend != VLLM_BACKEND:
+            from dsrl.rollout.cb import CallBounds
+
+            return {"bounds": CallBounds.of_run(prompts_per_call, d.batch.samples_per_prompt,
+                                                d.rollout.generation_batch_size, d.max_generation_tokens)}
+        return {"max_model_len": d.max_generation_tokens, "samples_per_prompt": d.batch.samples_per_prompt,
+                "seed": d.run.seed}
+
+    def backend(self, policy: Any, prompts_per_call: int) -> RolloutBackend:
+        """The run's ``rollout.backend`` generating with ``policy`` (an RLEngine, or this side's model), whose
+        calls have at most ``prompts_per_call`` prompts (a replica's share of a rollout, P / D)."""
+        return make_backend(self.d.rollout, policy, self.tokenizer, **self.backend_kwargs(prompts_per_call))
+
+    def on_generator_device(self) -> torch.nn.Module:
+        """A generator's model on this rank's device (``LOCAL_RANK`` on an accelerator) in the policy dtype, every
+        tensor (PEFT keeps adapters in float32; DeepSpeed casts the trainers' whole module to bf16/fp16 the same
+        way). No flag is touched (module docstring). Trainers leave this to DeepSpeed."""
+        from dsrl.rl.policy.model import resolve_dtype
+
+        model = self.model
+        if self.on_gpu:
+            import os
+
+            model = model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+        self._model = model.to(resolve_dtype(self.d.model.dtype, self.on_gpu))
+        return self._model
