@@ -22,8 +22,12 @@ parameter (dense and expert parameters alike).
 default), ``gspo`` (the sequence-level clipped ratio of :func:`dsrl.algos.losses.sequence_clipped_policy_loss`)
 or ``value`` (the critic's clipped value loss, :func:`dsrl.algos.losses.clipped_value_loss`, on a tiny
 ``AutoModelForTokenClassification`` value model). Each reference is written from the definition,
-not with dsrl.algos.losses. ``--data multiturn`` makes the sequences multi-turn trajectories (observation spans
-with loss mask 0, empty model turns, a trajectory without model tokens: :mod:`dsrl.cli.check_trajectories`).
+not with dsrl.algos.losses. A run file with ``dsrl.model.routing_replay = "rollout"`` or
+``router_aux_loss_coef > 0`` (or ``--routing_replay`` / ``--router_aux_loss_coef``) checks a mixture-of-experts
+policy (:mod:`dsrl.cli.check_moe`: a 2-layer Mixtral with random forced routes, under AutoEP when the ds_config
+enables it, against MoE blocks computed from their definition in float64; ``--method replay_off,routes_shifted``
+are its planted bugs). ``--data multiturn`` makes the sequences multi-turn trajectories (observation spans with
+loss mask 0, empty model turns, a trajectory without model tokens: :mod:`dsrl.cli.check_trajectories`).
 
 The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
 it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
