@@ -7,7 +7,9 @@ For each D it spawns D gloo ranks twice, once per path, on the same synthetic ro
 with RL-shaped lengths (bench/_common.py ``rl_lengths``, log-normal, max length ``--max_len``), each
 with the payload the trainer moves: token ids (vocabulary 151,936), float32-exact old, reference and
 behavior log-probs per completion token (the last from the rollout backend, ARCHITECTURE §8), an
-advantage and the policy version. Every source generates its R/D samples, then:
+advantage and the policy version; with ``--routes LAYERS,TOP_K`` also a mixture-of-experts policy's routes
+(:mod:`dsrl.core.routes`: int16 ``[tokens - 1, LAYERS, TOP_K]``, what routing replay moves; 48,8 is Qwen3-30B-A3B's
+shape: 768 bytes per token). Every source generates its R/D samples, then:
 
   all-gather: the data path before issue 11 (:class:`AllGatherRollout`, kept here and nowhere in
       the library): every source's samples are all-gathered to every rank as pickled objects and
@@ -125,9 +127,13 @@ def synthetic_rollout(rollout: int, max_len: int, seed: int) -> tuple[np.ndarray
     return lengths, prompts
 
 
-def make_samples(indices: range, lengths: np.ndarray, prompts: np.ndarray, seed: int) -> list[Any]:
+def make_samples(indices: range, lengths: np.ndarray, prompts: np.ndarray, seed: int,
+                 routes: tuple[int, int] | None = None) -> list[Any]:
     """Samples ``indices`` of the synthetic rollout, with the trainer's per-token payload: old and reference
-    log-probs, and the rollout backend's behavior log-probs (ARCHITECTURE §8), all float32, and the version."""
+    log-probs, and the rollout backend's behavior log-probs (ARCHITECTURE §8), all float32, and the version; with
+    ``routes`` (MoE layers, top-k) the routes of every input position (int16, experts 0..127)."""
+    import torch
+
     from dsrl.rl.data.batching import Sample
 
     out = []
@@ -137,7 +143,9 @@ def make_samples(indices: range, lengths: np.ndarray, prompts: np.ndarray, seed:
         old, ref, behavior = (-rng.standard_exponential((3, n - p))).astype(np.float32).tolist()
         out.append(Sample(tokens=rng.integers(0, VOCAB, n).tolist(), prompt_len=p, group=i // 8,
                           reward=float(rng.random()), advantage=float(rng.standard_normal()),
-                          old_logprobs=old, ref_logprobs=ref, behavior_logprobs=behavior, version=i % 3))
+                          old_logprobs=old, ref_logprobs=ref, behavior_logprobs=behavior, version=i % 3,
+                          routes=(torch.from_numpy(rng.integers(0, 128, (n - 1, *routes), dtype=np.int16))
+                                  if routes else None)))
     return out
 
 
@@ -154,7 +162,8 @@ def rank_main(rank: int, world: int, port: int, path: str, args: Any, out_dir: s
     view = ParallelView(count_group=None, grad_scale=float(world), data_parallel_size=world, data_parallel_rank=rank)
     lengths, prompts = synthetic_rollout(args.rollout, args.max_len, args.seed)
     per = args.rollout // world
-    local = make_samples(range(rank * per, (rank + 1) * per), lengths, prompts, args.seed)
+    routes = tuple(int(x) for x in args.routes.split(",")) if args.routes else None
+    local = make_samples(range(rank * per, (rank + 1) * per), lengths, prompts, args.seed, routes)
     plan = SimpleNamespace(data_parallel_size=world, micro_batch_size_per_rank=None,
                            max_tokens_per_micro_batch=args.max_tokens, allow_oversize=True, balance_attention_coef=0.0,
                            packing=False)
@@ -222,6 +231,8 @@ def main() -> None:
     ap.add_argument("--max_len", type=int, default=8192, help="longest sample (prompt + completion tokens)")
     ap.add_argument("--max_tokens", type=int, default=16384, help="token budget per micro-batch")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--routes", default=None,
+                    help="LAYERS,TOP_K: samples carry an MoE policy's routes (routing replay), e.g. 48,8")
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to docs/benchmarks.md")
     args = ap.parse_args()
     import torch.multiprocessing as mp
@@ -271,6 +282,10 @@ def main() -> None:
                   f"all-to-all k = {max(per_token['all-to-all']):.0f} bytes per token of the union of E R/D shares "
                   "(decoded samples are Python lists; the all-to-all figure also holds the encoded own samples and "
                   "buffers).")
+    if args.routes:
+        lay, k = (int(x) for x in args.routes.split(","))
+        per_sample += (f" The samples carry MoE routes ({lay} layers x top-{k}, int16): {2 * lay * k} bytes per token "
+                       "of b in the codec.")
     L, C, per_replica = 16384, 15360, 8
     s_p, s_c = (f[0] + f[1] * L + f[2] * C for f in (fit_p, fit_c))
     proj = []

@@ -57,25 +57,51 @@ def _is_zero_partitioned(engine_dir: str) -> bool:
     return bool(glob.glob(os.path.join(engine_dir, "*zero_pp_rank_*_optim_states.pt")))
 
 
+def _param(saved: Any) -> torch.Tensor:
+    """A universal checkpoint's fp32 entry: ``{"param": tensor, ...}``, or (ZeRO-3 + AutoEP, dense parameters) the
+    bare flat tensor."""
+    return saved["param"] if isinstance(saved, dict) else saved
+
+
+def _is_expert_parallel(engine_dir: str) -> bool:
+    """Whether DeepSpeed AutoEP wrote the checkpoint: per-expert files (ZeRO-0/1/2), or its layer list in the model
+    states (ZeRO-3 keeps experts partitioned inside them)."""
+    if glob.glob(os.path.join(engine_dir, "layer_*_expert_*_model_states.pt")):
+        return True
+    from deepspeed.checkpoint.constants import AUTOEP_LAYERS_KEY
+
+    files = sorted(glob.glob(os.path.join(engine_dir, "*model_states.pt")))
+    return bool(files) and AUTOEP_LAYERS_KEY in torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+
+
 def consolidated_state_dict(engine_dir: str, scratch: str | None = None) -> dict[str, torch.Tensor]:
     """The full fp32 weights of the DeepSpeed checkpoint in ``engine_dir``, in one process.
 
     ZeRO-1/2/3: DeepSpeed's ``zero_to_fp32``; tensor-parallel (AutoTP) shards: DeepSpeed's universal
     conversion (into ``scratch``, removed after), whose per-parameter files hold the merged weights;
     ZeRO-0: the model-states file (with AutoTP: one per tensor rank, merged by :func:`_merged_tensor_parallel_shards`;
-    DeepSpeed's universal conversion needs ZeRO's optimizer-state files, which ZeRO-0 does not write).
+    DeepSpeed's universal conversion needs ZeRO's optimizer-state files, which ZeRO-0 does not write). DeepSpeed
+    AutoEP (per-expert ``layer_*_expert_*`` files, or its layer list in ZeRO-3's model states): the universal
+    conversion, which reassembles every layer's experts, under the Hugging Face names
+    (:func:`dsrl.backends.deepspeed.autoep.hf_state_dict`).
     """
     if glob.glob(os.path.join(engine_dir, "*mp_rank_01_*.pt")) and not _is_zero_partitioned(engine_dir):
         return _merged_tensor_parallel_shards(engine_dir)
-    if glob.glob(os.path.join(engine_dir, "*mp_rank_01_*.pt")):
+    expert_parallel = _is_expert_parallel(engine_dir)
+    if expert_parallel or glob.glob(os.path.join(engine_dir, "*mp_rank_01_*.pt")):
         from dsrl.checkpoint.elastic import convert_to_universal
 
         scratch = scratch or f"{engine_dir.rstrip(os.sep)}.export-universal.tmp"
         try:
             universal, _ = convert_to_universal(engine_dir, out=scratch)
             zero = os.path.join(universal, "zero")
-            return {name: torch.load(os.path.join(zero, name, "fp32.pt"), weights_only=False)["param"].float()
-                    for name in sorted(os.listdir(zero)) if os.path.isfile(os.path.join(zero, name, "fp32.pt"))}
+            state = {name: _param(torch.load(os.path.join(zero, name, "fp32.pt"), weights_only=False)).float()
+                     for name in sorted(os.listdir(zero)) if os.path.isfile(os.path.join(zero, name, "fp32.pt"))}
+            if expert_parallel:
+                from dsrl.backends.deepspeed.autoep import hf_state_dict
+
+                state = hf_state_dict(state)
+            return state
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if _is_zero_partitioned(engine_dir):
@@ -124,6 +150,17 @@ def _merged_tensor_parallel_shards(engine_dir: str) -> dict[str, torch.Tensor]:
                 torch.as_strided(full, piece["shape"], src_strides, src_offset).copy_(
                     torch.as_strided(shard, piece["shape"], dst_strides, shard.storage_offset() + dst_offset))
         out[name] = full
+    return out
+
+
+def fit_shapes(state: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """``state`` with every flat tensor reshaped to its parameter's shape: DeepSpeed's universal conversion of an
+    AutoEP checkpoint leaves the dense parameters flat (their numel must match)."""
+    out = dict(state)
+    for name, t in state.items():
+        want = shapes.get(name)
+        if want is not None and t.dim() == 1 and len(want) > 1 and t.numel() == want.numel():
+            out[name] = t.reshape(want)
     return out
 
 
@@ -186,6 +223,7 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if lora:
             model = _with_adapters(model, meta)
+    state = fit_shapes(state, {n: p.shape for n, p in model.named_parameters()})
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]

@@ -22,8 +22,12 @@ parameter (dense and expert parameters alike).
 default), ``gspo`` (the sequence-level clipped ratio of :func:`dsrl.algos.losses.sequence_clipped_policy_loss`)
 or ``value`` (the critic's clipped value loss, :func:`dsrl.algos.losses.clipped_value_loss`, on a tiny
 ``AutoModelForTokenClassification`` value model). Each reference is written from the definition,
-not with dsrl.algos.losses. ``--data multiturn`` makes the sequences multi-turn trajectories (observation spans
-with loss mask 0, empty model turns, a trajectory without model tokens: :mod:`dsrl.cli.check_trajectories`).
+not with dsrl.algos.losses. A run file with ``dsrl.model.routing_replay = "rollout"`` or
+``router_aux_loss_coef > 0`` (or ``--routing_replay`` / ``--router_aux_loss_coef``) checks a mixture-of-experts
+policy (:mod:`dsrl.cli.check_moe`: a 2-layer Mixtral with random forced routes, under AutoEP when the ds_config
+enables it, against MoE blocks computed from their definition in float64; ``--method replay_off,routes_shifted``
+are its planted bugs). ``--data multiturn`` makes the sequences multi-turn trajectories (observation spans with
+loss mask 0, empty model turns, a trajectory without model tokens: :mod:`dsrl.cli.check_trajectories`).
 
 The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
 it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
@@ -41,6 +45,20 @@ import torch
 import torch.distributed as dist
 
 from dsrl.cli.check_lora import adapter_parameters, lora_model_for, lora_settings, with_adapters
+from dsrl.cli.check_moe import (
+    MOE_ARCHS,
+    PLANTED,
+    MoESettings,
+    attach_routes,
+    collate_routes,
+    moe_layout,
+    moe_model,
+    reference_aux,
+    reference_routing,
+    routed_loss,
+    settings_from,
+)
+from dsrl.cli.check_moe import mini_batch_load as moe_mini_batch_load
 from dsrl.cli.check_objectives import (
     HIDDEN,
     LOSSES,
@@ -68,11 +86,12 @@ from dsrl.core.logprobs import LOGPROB_MASK
 # (max 65504), so fp16 runs keep 2**10.
 LR = float(2**20)
 LR_FP16 = float(2**10)
-MODELS = ("auto", "tiny", "llama", "llama_untied", "qwen2", "mixtral")
+MODELS = ("auto", "tiny", "llama", "llama_untied", "qwen2", *MOE_ARCHS)
 # --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
 # counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp);
-# count_observations (--data multiturn: dsrl's step on samples whose observation tokens are counted, a planted bug)
-METHODS = ("dsrl", "naive", "world_count", "count_observations")
+# count_observations (--data multiturn: dsrl's step on samples whose observation tokens are counted, a planted bug);
+# replay_off / routes_shifted (routing replay: dsrl's side routes freely, or with every route one token late)
+METHODS = ("dsrl", "naive", "world_count", "count_observations", *PLANTED)
 DATA = ("single", "multiturn")  # --data: one completion per sequence, or multi-turn trajectories
 MASK_KEYS = ("loss_mask", "reference_mask", "planted_mask")
 SPLITS = ("even", "uneven", "pad_rank", "empty")
@@ -104,9 +123,9 @@ class TinyCausalModel(torch.nn.Module):
 
 def hf_model(arch: str) -> torch.nn.Module:
     """A tiny Hugging Face causal LM from a config (no download): Llama or Qwen2 (tied embeddings, GQA), a Llama
-    with its own output head (``llama_untied``: under AutoTP a vocabulary-parallel head), or a Mixtral MoE (4
-    experts, top-2, eager expert loop so the float64 reference runs the same code)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config
+    with its own output head (``llama_untied``: under AutoTP a vocabulary-parallel head), or a Mixtral /
+    Qwen3-MoE (:func:`dsrl.cli.check_moe.moe_model`: 4 experts, top-2, eager expert loop)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0)
@@ -114,27 +133,27 @@ def hf_model(arch: str) -> torch.nn.Module:
         cls = Qwen2Config if arch == "qwen2" else LlamaConfig
         config = cls(intermediate_size=2 * HIDDEN, tie_word_embeddings=arch != "llama_untied", **common)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    config = MixtralConfig(intermediate_size=HIDDEN, num_local_experts=4, num_experts_per_tok=2,
-                           tie_word_embeddings=False, output_router_logits=False, **common)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager")
+    return moe_model(arch)
 
 
-def build_model(arch: str, objective: str = "policy") -> torch.nn.Module:
-    """The check's model, initialised from the current torch seed."""
+def build_model(arch: str, objective: str = "policy", moe: MoESettings | None = None) -> torch.nn.Module:
+    """The check's model, initialised from the current torch seed (an MoE case: Mixtral with 2 layers)."""
     if objective == "value":
         return value_model(arch)
+    if moe is not None and arch == "mixtral":
+        return moe_model(arch, layers=2)
     return TinyCausalModel() if arch == "tiny" else hf_model(arch)
 
 
-def model_for(ds_config: dict, requested: str) -> str:
+def model_for(ds_config: dict, requested: str, moe: MoESettings | None = None) -> str:
     """``--model auto``: the tiny custom model, unless the ds_config shards the model by name (AutoTP ->
-    llama, AutoEP -> mixtral)."""
+    llama, AutoEP -> mixtral) or routes are replayed / balanced (``moe`` active: mixtral)."""
     from dsrl.backends.deepspeed.autoep import expert_parallel_enabled
     from dsrl.backends.deepspeed.autotp import tensor_parallel_size
 
     if requested != "auto":
         return requested
-    if expert_parallel_enabled(ds_config):
+    if (moe is not None and moe.active) or expert_parallel_enabled(ds_config):
         return "mixtral"
     return "llama" if tensor_parallel_size(ds_config) > 1 else "tiny"
 
@@ -196,6 +215,8 @@ def collate(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             out[k][i, :n] = s[k]
     out["advantages"] = torch.stack([s["advantages"] for s in seqs])
     out[LOGPROB_MASK] = out["loss_mask"] > 0  # the positions the fused head computes (host), as the trainer's collate
+    if all("routes" in s for s in seqs):  # MoE routes (dsrl.cli.check_moe), FREE at padding
+        out["routes"] = collate_routes(seqs, t)
     return out
 
 
@@ -252,14 +273,23 @@ def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[li
 
 
 def reference_gradient(model: torch.nn.Module, seqs: list[dict], loss_agg: str,
-                       loss_agg_norm_length: int, objective: str = "policy") -> dict[str, torch.Tensor]:
-    """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition."""
+                       loss_agg_norm_length: int, objective: str = "policy",
+                       moe: MoESettings | None = None) -> dict[str, torch.Tensor]:
+    """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition; with
+    ``moe`` active, MoE blocks computed from theirs with the forced routes, plus the load-balancing term."""
     ref = copy.deepcopy(model).double()
     batch = collate(seqs)
     if "reference_mask" in batch:  # multi-turn data: the mask from the definition, not dsrl's
         batch["loss_mask"] = batch.pop("reference_mask")
-    lt = reference_per_token_loss(ref, batch, objective)
     _, mask = reference_correction(batch, objective)
+    if moe is not None and moe.active:
+        with reference_routing(ref, batch, forced=moe.replay) as probs:
+            lt = reference_per_token_loss(ref, batch, objective)
+        if moe.aux_coef > 0:
+            _, experts, top_k = moe_layout(ref)
+            lt = lt + moe.aux_coef * reference_aux(probs, batch, mask, experts, top_k)
+    else:
+        lt = reference_per_token_loss(ref, batch, objective)
     n_s = mask.sum(-1)
     nonempty = n_s > 0
     if loss_agg == TOKEN_MEAN:
@@ -361,7 +391,8 @@ def _check_config(ds_config: dict, stage: int, loss_agg: str, batch: int, lora: 
 
 
 def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str, seed: int,
-             arch: str = "tiny", objective: str = "policy", data: str = "single") -> dict[str, Any]:
+             arch: str = "tiny", objective: str = "policy", data: str = "single",
+             moe: MoESettings | None = None) -> dict[str, Any]:
     import dataclasses
 
     import dsrl
@@ -374,10 +405,14 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
     B = 6 * replicas
     seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty"), multiturn=(data == "multiturn")), replicas,
                          split)
+    moe = moe if moe is not None and moe.active and arch in MOE_ARCHS else None
     mine = [dict(s, loss_mask=s["planted_mask"]) for s in seqs] if method == "count_observations" else seqs
     corrected = apply_correction(mine, objective)  # dsrl's experience-side step; the reference gets ``seqs``
     torch.manual_seed(seed)
-    model = build_model(arch, objective)
+    model = build_model(arch, objective, moe)
+    if moe is not None:  # routes for every sequence: forced (replay) and counted (load-balancing loss)
+        attach_routes(seqs, moe_layout(model), seed)
+        corrected = [dict(c, routes=s["routes"]) for c, s in zip(corrected, seqs)]
     lora = lora_settings(ds_config)
     if lora is not None:  # the run's adapters: only they train (dsrl.cli.check_lora)
         model = with_adapters(model, lora, seed)
@@ -407,16 +442,26 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
                 mb[key] = mb[key].to(dtype)
     metrics: Any = {}
     loss_fn = LOSSES[objective]
+    routing = None
+    if moe is not None:
+        from dsrl.rollout.routes import MoERouting
+
+        routing = MoERouting.of(engine.engine)
+        load = moe_mini_batch_load(engine, routing, micros) if moe.aux_coef > 0 else None
+        loss_fn = routed_loss(loss_fn, routing, moe, load, method)
     if method == "naive":
         naive_step(engine.engine, micros, engine.global_counts(micros).max_micro_batches, loss_fn)
     else:
         if method == "world_count":  # the double count dsrl must avoid: tensor peers counted as replicas
             engine.view = dataclasses.replace(engine.view, count_group=None)
         metrics = engine.train_mini_batch(micros, loss_fn)
+    if routing is not None:
+        routing.force(None)
+        routing.close()
     after = full_parameters(engine.engine)
     update = {n: (before[n] - after[n]) / lr for n in before}
-    ref = reference_gradient(reference, seqs, loss_agg, MAX_LEN, objective)
-    moe = any(is_expert(n) for n in ref)
+    ref = reference_gradient(reference, seqs, loss_agg, MAX_LEN, objective, moe)
+    has_experts = any(is_expert(n) for n in ref)
     return {"stage": stage, "loss_agg": loss_agg, "split": split, "method": method, "world_size": world,
             "objective": objective, "data": data,
             "replicas": replicas, "tensor_parallel_size": tensor_parallel_size(cfg), "model": arch,
@@ -424,9 +469,10 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
             "expert_parallel_layers": sum(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules()),
             "error": relative_error(update, ref), "ratio": update_ratio(update, ref),
             "worst_parameter": worst_parameter(update, ref),
-            "dense_error": relative_error(update, ref, lambda n: not is_expert(n)) if moe else None,
-            "expert_error": relative_error(update, ref, is_expert) if moe else None,
+            "dense_error": relative_error(update, ref, lambda n: not is_expert(n)) if has_experts else None,
+            "expert_error": relative_error(update, ref, is_expert) if has_experts else None,
             "micro_batches": len(micros), "tokens": metrics.get("tokens"), "logprob_head": logprob_head(engine.module),
+            "routing_replay": bool(moe and moe.replay), "router_aux_loss_coef": moe.aux_coef if moe else 0.0,
             "lora": lora is not None,
             "adapter_error": relative_error(update, ref, set(adapter_parameters(ref)).__contains__) if lora else None,
             "trainable_parameters": sum(p.numel() for p in reference.parameters() if p.requires_grad),
@@ -445,6 +491,12 @@ def logprob_head(module: torch.nn.Module) -> str:
     return "fused" if how[1] is None else "fused vocab-parallel"
 
 
+def _moe_tag(res: dict[str, Any]) -> str:
+    tag = f" ep={res['expert_parallel_size']}" if res["expert_parallel_size"] > 1 else ""
+    tag += "+replay" if res["routing_replay"] else ""
+    return tag + (f"+aux{res['router_aux_loss_coef']:g}" if res["router_aux_loss_coef"] else "")
+
+
 def tolerance_for(ds_config: dict) -> float:
     low_precision = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") in (True, "auto")
                         for k in ("bf16", "fp16"))
@@ -459,12 +511,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--splits", default=",".join(SPLITS),
                         help=f"comma list of {', '.join(SPLITS + EXTRA_SPLITS)} (default: {', '.join(SPLITS)})")
     parser.add_argument("--method", default="dsrl",
-                        help="comma list of dsrl, naive, world_count; naive = per-micro-batch mean, world_count = "
-                             "counts summed over the whole world (wrong under tensor parallelism); both are expected "
-                             "to fail (they show the check can fail); only dsrl results count towards the exit code")
+                        help="comma list of dsrl, naive, world_count, count_observations, replay_off, routes_shifted; "
+                             "naive = per-micro-batch mean, world_count = counts summed over the whole world (wrong "
+                             "under tensor parallelism), replay_off / routes_shifted = routing replay claimed but not "
+                             "done / one token late; all but dsrl are expected to fail (they show the check can fail); "
+                             "only dsrl results count towards the exit code")
     parser.add_argument("--model", default="auto", choices=MODELS,
-                        help="tiny (custom), llama, llama_untied (its own output head), qwen2 or mixtral (tiny Hugging "
-                             "Face models); auto = tiny, or llama under AutoTP, mixtral under AutoEP")
+                        help="tiny (custom), llama, llama_untied (its own output head), qwen2, mixtral or qwen3_moe "
+                             "(tiny Hugging Face models); auto = tiny, or llama under AutoTP, mixtral under AutoEP or "
+                             "with routing replay / a load-balancing loss (2 layers then)")
+    parser.add_argument("--routing_replay", default=None, choices=("off", "rollout"),
+                        help="MoE: force random routes in dsrl's forwards and the reference's (default: the run "
+                             "file's dsrl.model.routing_replay)")
+    parser.add_argument("--router_aux_loss_coef", type=float, default=None,
+                        help="MoE: the load-balancing loss coefficient (default: the run file's "
+                             "dsrl.model.router_aux_loss_coef)")
     parser.add_argument("--objective", default="policy",
                         help=f"comma list of {', '.join(OBJECTIVES)}: the per-token loss checked (policy = -A log pi; "
                              "gspo = sequence-level clipped ratio; value = the critic's clipped value loss)")
@@ -497,20 +558,26 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(objectives) - set(OBJECTIVES))
     if unknown:
         parser.error(f"--objective {','.join(unknown)}: not one of {', '.join(OBJECTIVES)}")
-    arch = model_for(raw, args.model) if lora_settings(raw) is None else lora_model_for(args.model, args.objective)
+    moe = settings_from(raw, args.routing_replay, args.router_aux_loss_coef)
+    arch = (model_for(raw, args.model, moe) if lora_settings(raw) is None
+            else lora_model_for(args.model, args.objective))
+    if moe.active and arch not in MOE_ARCHS:
+        parser.error(f"routing replay / a load-balancing loss needs an MoE model: --model {arch} is dense (use "
+                     f"{' or '.join(MOE_ARCHS)})")
     for objective in objectives:
         for stage in stages:
             for loss_agg in loss_aggs:
                 for split in splits:
                     for method in methods:
-                        res = run_case(raw, stage, loss_agg, split, method, args.seed, arch, objective, args.data)
+                        res = run_case(raw, stage, loss_agg, split, method, args.seed, arch, objective, args.data,
+                                       moe)
                         results.append(res)
                         if method == "dsrl":
                             worst = max(worst, res["error"])
                         if rank == 0:
                             print(f"{objective:<6} {args.data} ZeRO-{stage} {loss_agg:<24} {split:<9} "
                                   f"ranks={res['world_size']} tp={res['tensor_parallel_size']} "
-                                  f"{arch}{'+lora' if res['lora'] else ''} {method:<11} relative error "
+                                  f"{arch}{'+lora' if res['lora'] else ''}{_moe_tag(res)} {method:<11} relative error "
                                   f"{res['error']:.3e} (update/reference {res['ratio']:.7f})", flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:

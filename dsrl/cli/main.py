@@ -69,11 +69,28 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
         "lr_unit": "absolute" if lr is not None else "fraction of the optimizer lr",
         "gradient_clipping": cfg.ds_config.get("gradient_clipping", 1.0),
     }
+    extra.update(_expert_layout(cfg, on_gpu))
     if lengths is not None and plan.token_budget_mode:
         from dsrl.core.partition import expected_token_budget_stats
 
         extra["token_budget"] = expected_token_budget_stats(plan, lengths)
     return plan, extra
+
+
+def _expert_layout(cfg: Config, on_gpu: bool) -> dict[str, Any]:
+    """A mixture-of-experts policy's layout (empty for a dense one), its MoE settings checked like a run's:
+    experts per MoE layer, top-k, MoE layers, the expert-parallel size (AutoEP) and the experts each rank holds."""
+    from dsrl.backends.deepspeed.autoep import expert_parallel_size
+    from dsrl.rl.policy.moe import check_moe_run
+
+    layout = check_moe_run(cfg, on_gpu)
+    if layout is None:
+        return {}
+    ep = expert_parallel_size(cfg.ds_config)
+    return {"moe_layers": layout.layers, "experts": layout.experts, "top_k": layout.top_k,
+            "expert_parallel_size": ep, "experts_per_rank": layout.experts // ep,
+            "routing_replay": cfg.dsrl.model.routing_replay,
+            "router_aux_loss_coef": cfg.dsrl.model.router_aux_loss_coef}
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
@@ -129,6 +146,16 @@ def cmd_plan(argv: list[str]) -> int:
         ("LR at first / last step", f"{extra['lr_first_step']:.4g} / {extra['lr_last_step']:.4g} "
                                     f"({extra['lr_unit']})"),
     ]
+    if "experts" in extra:
+        ep = extra["expert_parallel_size"]
+        rows += [
+            ("mixture of experts", f"{extra['moe_layers']} MoE layers x {extra['experts']} experts, "
+                                   f"top-{extra['top_k']} per token"),
+            ("expert layout", f"expert-parallel size {ep} (AutoEP): {extra['experts_per_rank']} experts of each layer "
+                              f"per rank" if ep > 1 else "every rank holds every expert (no expert_parallel)"),
+            ("routing replay", f"{extra['routing_replay']}; router load-balancing loss coefficient "
+                               f"{extra['router_aux_loss_coef']:g}"),
+        ]
     if "token_budget" in extra:
         tb = extra["token_budget"]
         rows += [

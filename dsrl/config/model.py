@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import field_validator
 
 from dsrl.config.errors import ConfigError
-from dsrl.config.names import TinyArch
+from dsrl.config.names import RoutingReplay, TinyArch
 from dsrl.config.section import Section, setting
 
 
@@ -63,3 +63,10 @@ class ModelConfig(Section):
                "on flash attention); the token budget then counts real tokens only")
     lora: LoraConfig | None = setting(
         None, "LoRA adapters as the only trainable parameters; unset = full fine-tuning")
+    routing_replay: RoutingReplay = setting(
+        "off", "mixture-of-experts policies: 'rollout' forces, in the trainer's old-log-prob, reference and training "
+               "forwards, the experts the rollout backend chose for every token (R3; the router's gradient still "
+               "flows); 'off' lets the trainer's routers choose (docs/moe.md)")
+    router_aux_loss_coef: float = setting(
+        0.0, "mixture-of-experts policies: coefficient of the router's load-balancing loss in the objective, a "
+             "per-token term aggregated like the policy loss (docs/moe.md); 0 = not part of the objective", ge=0)

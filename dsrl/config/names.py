@@ -88,7 +88,13 @@ COLOCATED, DISAGGREGATED = PLACEMENTS
 TaskName = Literal["reverse", "copy", "add", "calculator"]  # dsrl.tasks.TASKS holds exactly these
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 DEFAULT_TASK: TaskName = "reverse"  # prompts come from it when neither dsrl.data.task nor data.path is set
-TinyArch = Literal["llama", "qwen2"]  # dsrl.rl.policy.model.tiny_config builds exactly these
+TinyArch = Literal["llama", "qwen2", "qwen3_moe"]  # dsrl.rl.policy.model.tiny_config builds exactly these
 TINY_ARCHS: tuple[str, ...] = get_args(TinyArch)
+MOE_TINY_ARCHS: tuple[str, ...] = ("qwen3_moe",)  # the mixture-of-experts ones among them
+# Routing replay of a mixture-of-experts policy (model.routing_replay, dsrl.rollout.routes): off = the trainer's
+# routers choose their own experts; rollout = every trainer forward uses the experts the rollout backend chose (R3).
+RoutingReplay = Literal["off", "rollout"]
+ROUTING_REPLAY_MODES: tuple[str, ...] = get_args(RoutingReplay)
+REPLAY_OFF, REPLAY_ROLLOUT = ROUTING_REPLAY_MODES
 # Prompt file suffix -> the datasets builder that reads it (dsrl.data).
 PROMPT_FILE_FORMATS: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}

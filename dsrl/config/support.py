@@ -35,6 +35,8 @@ from dsrl.config.names import (
     CRITIC_ALGORITHMS,
     DISAGGREGATED,
     HF_BACKEND,
+    REPLAY_OFF,
+    REPLAY_ROLLOUT,
     VLLM_BACKEND,
 )
 
@@ -64,6 +66,8 @@ class Setup:
     expert_parallel: bool = _feature(False, "expert_parallel")
     algorithm: str = _feature("grpo", "algorithm.name")
     dynamic_sampling: bool = _feature(False, "algorithm.dynamic_sampling")  # resolved: dapo's default is on
+    routing_replay: str = _feature(REPLAY_OFF, "model.routing_replay")  # a mixture-of-experts policy's routes (R3)
+    router_aux_loss: bool = _feature(False, "model.router_aux_loss_coef")  # > 0: the load-balancing term is trained
 
     @classmethod
     def of(cls, dsrl: DsrlConfig, ds_config: dict[str, Any]) -> Setup:
@@ -84,7 +88,8 @@ class Setup:
                    autotp_size=max(_integer(ds_config, "tensor_parallel.autotp_size", 1), 1),
                    sequence_parallel_size=max(_integer(ds_config, "sequence_parallel_size", 1), 1),
                    expert_parallel=isinstance(experts, dict) and bool(experts.get("enabled", False)),
-                   algorithm=algorithm.name, dynamic_sampling=bool(dynamic))
+                   algorithm=algorithm.name, dynamic_sampling=bool(dynamic),
+                   routing_replay=dsrl.model.routing_replay, router_aux_loss=dsrl.model.router_aux_loss_coef > 0)
 
     def replace(self, **features: Any) -> Setup:
         return dataclasses.replace(self, **features)
@@ -233,6 +238,35 @@ RULES: tuple[Rule, ...] = (
     Rule("autoep-lora", {"lora": Is(True), "expert_parallel": Is(True)},
          "dsrl.model.lora with an expert_parallel section: AutoEP replaces the expert layers the LoRA adapters would "
          "wrap. Fix: remove expert_parallel (ZeRO-3 shards the frozen experts), or remove dsrl.model.lora."),
+    # mixture-of-experts policies (docs/moe.md); the rules that need the model or the installed vLLM live in
+    # dsrl.rl.policy.moe.check_moe_run
+    Rule("autoep-cb", {"backend": Is(CB_BACKEND), "expert_parallel": Is(True)},
+         "rollout.backend = 'cb' with an expert_parallel section: every forward of an AutoEP model is an all-to-all "
+         "of the expert-parallel group, and continuous batching runs a different number of forwards on each rank. "
+         "Fix: use rollout.backend = 'hf' or 'auto' (which picks hf under AutoEP)."),
+    Rule("autoep-vllm", {"backend": Is(VLLM_BACKEND), "expert_parallel": Is(True)},
+         "rollout.backend = 'vllm' with an expert_parallel section: the vLLM engine takes whole weights, which AutoEP "
+         "splits over ranks. Fix: use rollout.backend = 'hf' or 'auto' under AutoEP, or remove expert_parallel."),
+    Rule("autoep-disaggregated", {"placement": _DISAGG, "expert_parallel": Is(True)},
+         "dsrl.rollout.placement = 'disaggregated' with an expert_parallel section: the generator ranks would need "
+         "the trainers' expert-parallel groups. Fix: use placement 'colocated' with AutoEP, or remove "
+         "expert_parallel."),
+    Rule("replay-autotp", {"routing_replay": Is(REPLAY_ROLLOUT), "autotp_size": _AUTOTP},
+         "dsrl.model.routing_replay = 'rollout' with tensor_parallel.autotp_size = {autotp_size}: dsrl's routes "
+         "describe whole routers, which AutoTP may shard. Fix: set autotp_size to 1 (ZeRO-3 or expert_parallel "
+         "instead), or routing_replay to 'off'."),
+    Rule("replay-sequence-parallel", {"routing_replay": Is(REPLAY_ROLLOUT), "sequence_parallel_size": AtLeast(2)},
+         "dsrl.model.routing_replay = 'rollout' with sequence_parallel_size = {sequence_parallel_size}: each rank "
+         "holds a shard of every sequence's positions, which dsrl's routes do not describe. Fix: set "
+         "sequence_parallel_size to 1, or routing_replay to 'off'."),
+    Rule("router-aux-autotp", {"router_aux_loss": Is(True), "autotp_size": _AUTOTP},
+         "dsrl.model.router_aux_loss_coef > 0 with tensor_parallel.autotp_size = {autotp_size}: the load-balancing "
+         "term reads whole routers, which AutoTP may shard. Fix: set autotp_size to 1, or router_aux_loss_coef to "
+         "0."),
+    Rule("router-aux-sequence-parallel", {"router_aux_loss": Is(True), "sequence_parallel_size": AtLeast(2)},
+         "dsrl.model.router_aux_loss_coef > 0 with sequence_parallel_size = {sequence_parallel_size}: the "
+         "load-balancing term counts routes per position, which each rank holds a shard of. Fix: set "
+         "sequence_parallel_size to 1, or router_aux_loss_coef to 0."),
 )
 
 

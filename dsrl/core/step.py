@@ -217,6 +217,14 @@ class StepCore(ABC):
         dist.all_gather(parts, local, group=self.view.count_group)
         return torch.stack(parts).cpu()
 
+    def sum_over_count_group(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (float64) summed over the count group -- every token of the mini-batch once: one all-reduce,
+        on the CPU."""
+        local = values.to(device=self.collective_device, dtype=torch.float64, copy=True)
+        if self.view.count_group_size > 1:
+            dist.all_reduce(local, group=self.view.count_group)
+        return local.cpu()
+
     def max_micro_batches(self, n: int) -> int:
         """The largest ``n`` over the count group (one collective)."""
         return int(self.gather_stats([n])[:, 0].max())

@@ -45,7 +45,7 @@ from dsrl.core.collectives import all_reduce_floats
 from dsrl.core.plan import BatchPlan
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.critic import NO_CRITIC, Critic, NoCritic
-from dsrl.rl.data.batching import Sample, chunks, collate, completion_values
+from dsrl.rl.data.batching import Sample, chunks, collate, completion_positions, completion_values
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import is_source, share_with_tensor_peers
 from dsrl.rl.episodes.driver import EpisodeRunner, score_trajectories
@@ -112,6 +112,16 @@ class RolloutStats:
     observation_overflows: float = 0.0
     turn_limit_cuts: float = 0.0
     token_limit_cuts: float = 0.0
+    # A mixture-of-experts policy (dsrl.rl.policy.moe): (position, layer) pairs compared between the rollout's routes
+    # and the trainer's own, how many chose other experts, and |log pi - log mu| over the counted tokens recomputed
+    # with the trainer's own routes and with the rollout's replayed
+    route_pairs: float = 0.0
+    route_differing: float = 0.0
+    route_tokens: float = 0.0
+    own_routes_abs_diff_sum: float = 0.0
+    replayed_tokens: float = 0.0
+    replayed_routes_abs_diff_sum: float = 0.0
+    moe_policy: float = 0.0  # ranks with an MoE policy (the route columns are written when > 0)
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Count the final (kept) samples of this rank."""
@@ -142,6 +152,16 @@ class RolloutStats:
         ages = [trainer_version - s.version for s in samples]
         self.staleness_sum += sum(ages)
         self.staleness_max = max([self.staleness_max, *ages])
+
+    def add_route_mismatch(self, m: Any) -> None:
+        """A :class:`dsrl.rl.policy.moe.RouteMismatch` of this rank's samples."""
+        self.moe_policy = 1.0
+        self.route_pairs += m.pairs
+        self.route_differing += m.differing
+        self.route_tokens += m.tokens
+        self.own_routes_abs_diff_sum += m.own_abs_diff
+        self.replayed_tokens += m.replayed_tokens
+        self.replayed_routes_abs_diff_sum += m.replayed_abs_diff
 
     def add_mismatch(self, m: Mismatch) -> None:
         self.mismatch_tokens += m.tokens
@@ -200,14 +220,18 @@ class ExperienceMaker:
     With an environment in ``rewards``, each sampling round is one of multi-turn trajectories, run by an
     :class:`dsrl.rl.episodes.driver.EpisodeRunner` built here from these collaborators."""
 
+    moe: Any = None  # dsrl.rl.policy.moe.PolicyRouting of a mixture-of-experts policy, else None
+    route_mismatch: Any = None  # the last score_logprobs' RouteMismatch (MoE)
+
     def __init__(self, settings: ExperienceSettings, plan: BatchPlan, policy: Any, backend: RolloutBackend,
                  tokenizer: Any, prompts: PromptSource, rewards: Rewards, algo: algos.ResolvedAlgorithm, *,
                  ref_model: Any = None, critic: Critic | NoCritic = NO_CRITIC, watch: Any = None,
-                 phases: PhaseClock | None = None):
+                 phases: PhaseClock | None = None, moe: Any = None):
         self.d, self.plan, self.policy, self.backend = settings, plan, policy, backend
         self.tokenizer, self.prompts, self.rewards, self.algo = tokenizer, prompts, rewards, algo
         self.ref_model, self.critic, self.watch = ref_model, critic, watch or _NO_WATCH
         self.phases = phases or PhaseClock()
+        self.moe = moe
         self.view = policy.view
         self.replica = self.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
         self.pad_id = tokenizer.pad_token_id
@@ -282,7 +306,7 @@ class ExperienceMaker:
                 tokens=list(c.prompt_ids) + list(c.completion_ids), prompt_len=len(c.prompt_ids),
                 group=indices[c.prompt_index], reward=reward, finished=bool(c.finished), accuracy=acc,
                 behavior_logprobs=c.behavior_logprobs,
-                version=self.version if c.version is None else c.version))
+                version=self.version if c.version is None else c.version, routes=c.routes))
         return groups
 
     def _shape_rewards(self, samples: list[Sample]) -> None:
@@ -351,20 +375,79 @@ class ExperienceMaker:
         micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
         fn = self._logprob_fn()
         with self.phases.phase("old_logprobs"):
-            for s, values in zip(samples, completion_values(groups, self.policy.forward_no_grad(micros, fn))):
+            outs = (self.policy.forward_no_grad(micros, fn) if self.moe is None
+                    else self._moe_logprobs(groups, micros, fn))
+            for s, values in zip(samples, completion_values(groups, outs)):
                 s.old_logprobs = values
         self.critic.add_values(samples, groups, micros, self.phases)  # V(s_t) per completion token (with a critic)
         if self.ref_model is None:
             return
         with torch.no_grad(), self.phases.phase("ref_logprobs"):
             # The reference (a frozen copy, or the policy with its LoRA adapters disabled) pads its forwards itself.
-            for s, values in zip(samples, completion_values(groups, self.ref_model.forward_no_grad(micros, fn))):
+            if self.moe is not None and self.moe.replay:  # the rollout's routes in the reference's forwards too
+                fn = self.moe.forcing(fn, self.moe.ref_routing)
+            try:
+                refs = self.ref_model.forward_no_grad(micros, fn)
+            finally:
+                if self.moe is not None:
+                    self.moe.release()
+            for s, values in zip(samples, completion_values(groups, refs)):
                 s.ref_logprobs = values
         if self.d.algorithm.kl_in == "reward" and not self.critic.present:  # with a critic: per token, in GAE
             coef = self.d.algorithm.kl_coef
             for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)
                 kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1")
                 s.reward -= coef * float((kl * torch.tensor(model_mask(s), dtype=kl.dtype)).sum())
+
+    def _moe_logprobs(self, groups: list[list[Sample]], micros: list[dict], fn: Callable) -> list[torch.Tensor]:
+        """The old log-probs of an MoE policy (module docstring of :mod:`dsrl.rl.policy.moe`): a forward with the
+        trainer's own routes (recorded), and when the backend returns routes one with the rollout's replayed;
+        the setting picks which one the samples keep. Both are compared with the behavior log-probs, and the own
+        routes with the rollout's (``self.route_mismatch``). Samples keep routes only where training needs them."""
+        from dsrl.core.routes import ROUTE_DTYPE
+        from dsrl.rl.policy.moe import RouteMismatch
+
+        moe, lay = self.moe, self.moe.layout
+        with_routes = self.backend.returns_routes()  # the same on every rank: both passes are collective
+        for g in groups:
+            for s in g:
+                self._check_routes(s, with_routes)
+        own, calls = moe.recorded(lambda: self.policy.forward_no_grad(micros, fn))
+        replayed = None
+        if with_routes:
+            try:
+                replayed = self.policy.forward_no_grad(micros, moe.forcing(fn))
+            finally:
+                moe.release()
+        own_cpu, replayed_cpu = _on_host(own), _on_host(replayed) if replayed is not None else None
+        mm = RouteMismatch()
+        counted_here = is_source(self.view)
+        for i, (g, mb) in enumerate(zip(groups, micros)):
+            b, t = mb["input_ids"].shape
+            per_row = calls[i].reshape(b, t, lay.layers, lay.top_k)
+            for row, (s, sl) in enumerate(zip(g, completion_positions(g))):
+                n = len(s.tokens) - 1
+                if counted_here:
+                    moe.compare(s.routes, per_row[row, :n], mm)
+                    _add_abs_diff(mm, s, own_cpu[i][row, sl], replayed_cpu[i][row, sl] if replayed_cpu else None)
+                if not moe.keep_routes:
+                    s.routes = None
+                elif s.routes is None:  # the load f counts the trainer's own routes
+                    s.routes = per_row[row, :n].to(ROUTE_DTYPE).clone()
+        self.route_mismatch = mm
+        return replayed if (moe.replay and replayed is not None) else own
+
+    def _check_routes(self, s: Sample, with_routes: bool) -> None:
+        """A sample's rollout routes fit the policy; under replay every sample has them."""
+        if s.routes is not None:
+            self.moe.check_sample_routes(s.routes, len(s.tokens) - 1, f"a sample of prompt {s.group}")
+        elif with_routes and self.moe.replay:
+            from dsrl.core.errors import RunError
+
+            raise RunError(f"a sample of prompt {s.group} reached the trainer without routes while "
+                           "dsrl.model.routing_replay = 'rollout' (its generator recorded none: a generator started "
+                           "with other settings, or samples from before a resume). Fix: restart the generators "
+                           "with this run file, or set routing_replay = 'off'.")
 
     def correct_off_policy(self, samples: list[Sample], stats: RolloutStats) -> None:
         """The off-policy correction of each sample from its proximal (old) and behavior log-probs
@@ -444,6 +527,8 @@ class ExperienceMaker:
         stats.wait_s, stats.publish_s = timing.get("wait_s", 0.0), timing.get("publish_s", 0.0)
         stats.generator_s, stats.generator_idle_s = timing.get("generation_s", 0.0), timing.get("idle_s", 0.0)
         self.score_logprobs(samples)
+        if self.moe is not None and self.route_mismatch is not None:
+            stats.add_route_mismatch(self.route_mismatch)
         self.correct_off_policy(samples, stats)
         if self.critic.present:  # per token by GAE from its values, else per group from the rewards
             self.gae_advantages(samples)
@@ -454,6 +539,28 @@ class ExperienceMaker:
             stats.add_staleness(samples, trainer_version=rollout_index)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds
+
+
+def _on_host(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A pass's outputs on the host with one device-to-host copy (ARCHITECTURE §4)."""
+    if not outs:
+        return []
+    flat = torch.cat([o.reshape(-1) for o in outs]).cpu()
+    return [part.view(o.shape) for part, o in zip(flat.split([o.numel() for o in outs]), outs)]
+
+
+def _add_abs_diff(mm: Any, s: Sample, own: torch.Tensor, replayed: torch.Tensor | None) -> None:
+    """|log pi - log mu| over a sample's counted model tokens, recomputed with the trainer's own routes and (when
+    present) with the rollout's replayed."""
+    if s.behavior_logprobs is None or not s.active:
+        return
+    mu = torch.tensor(s.behavior_logprobs, dtype=torch.float64)
+    keep = torch.tensor(model_mask(s), dtype=torch.bool)[: mu.shape[0]]
+    mm.tokens += int(keep.sum())
+    mm.own_abs_diff += float((own.double()[: mu.shape[0]] - mu).abs()[keep].sum())
+    if replayed is not None:
+        mm.replayed_tokens += int(keep.sum())
+        mm.replayed_abs_diff += float((replayed.double()[: mu.shape[0]] - mu).abs()[keep].sum())
 
 
 def masked_rewards(samples: list[Sample]) -> torch.Tensor:

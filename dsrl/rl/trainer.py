@@ -26,6 +26,7 @@ same plan, so the bar ends exactly at the last step. Progress messages go throug
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -72,7 +73,7 @@ from dsrl.runtime.watchdog import Watch
 CHECKPOINT_SUBDIR = "checkpoints"
 log = logging.getLogger("dsrl.rl.trainer")
 STEP_METRICS = ("loss", "grad_norm", "lr", "tokens", "sequences", "micro_batches", "step_applied",
-                "clip_low_frac", "clip_high_frac", "kl", "entropy", "step_s")
+                "clip_low_frac", "clip_high_frac", "kl", "entropy", "router_aux_loss", "step_s")
 
 
 class Trainer:
@@ -127,12 +128,18 @@ class Trainer:
         self.rl: RLEngine = initialize(model, spec)
         self.plan = self.rl.plan
         self.device = self.rl.device
+        ref_module = self.ref_model  # the frozen copy's module, whatever wraps it below (its routers: MoE replay)
         if self.ref_model is not None:
             self.ref_model = FrozenModel(frozen_engine(self.ref_model, self.rl, self.device), self.device)
         elif d.algorithm.kl_coef > 0:
             from dsrl.rl.policy.lora import AdaptersDisabled
 
             self.ref_model = AdaptersDisabled(self.rl)
+        self.moe = None  # the routing duties of an MoE policy's forwards (dsrl.rl.policy.moe)
+        if self.moe_layout is not None:
+            from dsrl.rl.policy.moe import PolicyRouting
+
+            self.moe = PolicyRouting(d.model, self.rl.engine, ref_module)
         self.reward_model = None
         if d.data.reward_model:
             from dsrl.rl.rewards.model import RewardModel
@@ -165,7 +172,7 @@ class Trainer:
         self.experience = ExperienceMaker(
             ExperienceSettings.of(d), self.plan, self.rl, self.backend, tok, self.prompt_source,
             Rewards(reward_fn, load_accuracy_fn(d.data), self.reward_model, environment), self.algo,
-            ref_model=self.ref_model, critic=self.critic, watch=self.watch, phases=self.phases)
+            ref_model=self.ref_model, critic=self.critic, watch=self.watch, phases=self.phases, moe=self.moe)
         self.resume_notice: str | None = None  # set by an elastic resume (another world size)
         resumed = self._maybe_resume()
         self.metrics = MetricsWriter(self.output_dir, self.rank, getattr(self.rl.engine, "monitor", None),
@@ -197,6 +204,7 @@ class Trainer:
         self.side.build_model()
         if self.role is None:  # a generator rank checks the backend it builds itself
             self.side.check()
+        self.moe_layout = self.side.check_moe()  # mixture-of-experts settings (dsrl.rl.policy.moe), every rank
         return spec, critic_spec, reward_fn, environment
 
     # -- resume ---------------------------------------------------------------------------------
@@ -210,6 +218,8 @@ class Trainer:
         self.resume_notice = resumed.notice
         if resumed.notice and self.rank == 0:
             log.warning(resumed.notice)
+        if self.moe is not None:
+            self.moe.check_resumed(client.get("moe"), os.path.join(load_dir, tag))
         self.rollout_index = int(client["rollout"])
         self.calls = int(client["calls"])
         self.empty.load_state_dict(client.get("empty_rollouts"))
@@ -235,6 +245,8 @@ class Trainer:
         client = {"rollout": self.rollout_index, "calls": stream["calls"], "sampler": stream["sampler"],
                   "empty_rollouts": stream["empty_rollouts"],
                   "version": self.rollout_index}  # the policy version the saved weights are (weight syncs so far)
+        if self.moe is not None:  # the routing layout, checked when the run resumes
+            client["moe"] = self.moe.checkpoint_state()
         rank_state = {"torch_rng": stream["torch_rng"], "python_rng": stream["python_rng"]}
         t0 = time.perf_counter()
         with self.watch.phase("save"):
@@ -249,14 +261,23 @@ class Trainer:
         return self.critic.companions()
 
     # -- training -------------------------------------------------------------------------------
-    def loss_fn(self, engine, micro):
+    def loss_fn(self, engine, micro, load: torch.Tensor | None = None):
         """Per-token loss: clipped surrogate (token or sequence ratio), times the off-policy correction's weight
-        when one is set, (+ KL in loss) (- entropy bonus), and per-token metrics."""
+        when one is set, (+ KL in loss) (- entropy bonus) (+ the router's load-balancing term, given the
+        mini-batch's expert ``load``), and per-token metrics. An MoE policy under routing replay runs with the
+        micro-batch's routes forced (they stay forced for its backward)."""
         a, algo = self.d.algorithm, self.algo
+        moe = self.moe
+        if moe is not None and moe.replay:
+            if "routes" not in micro:
+                raise RuntimeError("a training micro-batch arrived without routes under dsrl.model.routing_replay = "
+                                   "'rollout'; the data path dropped them")
+            moe.routing.force(micro["routes"])
         # log-probs and entropy from the same tiles of the fused output head (dsrl.rl.policy.logprobs); the entropy
         # carries a gradient only when it is in the loss
-        tok = forward_logprobs(engine, micro, temperature=self.d.rollout.temperature, entropy=True,
-                               entropy_grad=a.entropy_coef > 0)
+        with moe.routing.router_probs() if load is not None else contextlib.nullcontext() as probs:
+            tok = forward_logprobs(engine, micro, temperature=self.d.rollout.temperature, entropy=True,
+                                   entropy_grad=a.entropy_coef > 0)
         logp = tok.logprobs
         if algo.ratio_level == "sequence":
             index = sequence_index(micro["loss_mask"], micro["position_ids"])
@@ -277,6 +298,12 @@ class Trainer:
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * ent
         metrics["entropy"] = ent.detach()
+        if load is not None:  # a_t of dsrl.algos.router_balance, aggregated like every per-token term
+            from dsrl.algos.router_balance import balance_per_token
+
+            aux = balance_per_token(probs, load, loss.shape).to(loss.dtype)
+            loss = loss + moe.aux_coef * aux
+            metrics["router_aux_loss"] = aux.detach()
         return loss, metrics
 
     def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:
@@ -302,7 +329,7 @@ class Trainer:
             res = None
             if policy_steps:
                 t0 = time.perf_counter()
-                res = self.rl.train_mini_batch(micros, self.loss_fn)
+                res = self._policy_step(micros)
                 res["step_s"] = time.perf_counter() - t0
                 res["padded_tokens"] = sum(int(m["input_ids"].numel()) for m in micros)
                 results.append(res)
@@ -310,6 +337,23 @@ class Trainer:
             self.calls += 1
             on_step(res, critic_res)
         return results
+
+    def _policy_step(self, micros: list[dict[str, Any]]) -> Any:
+        """One policy optimizer step; an MoE policy's load f (one all-reduce) first, its forced routes released
+        after the step's backwards."""
+        moe = self.moe
+        if moe is None:
+            return self.rl.train_mini_batch(micros, self.loss_fn)
+        load = None
+        if moe.aux_coef > 0:
+            from dsrl.algos.router_balance import mini_batch_load
+
+            lay = moe.layout
+            load = mini_batch_load(micros, lay.layers, lay.experts, lay.top_k, self.rl.sum_over_count_group)
+        try:
+            return self.rl.train_mini_batch(micros, functools.partial(self.loss_fn, load=load))
+        finally:
+            moe.release()
 
     # -- the loop -------------------------------------------------------------------------------
     def _on_step(self, res: dict[str, Any] | None, critic_res: dict[str, Any] | None, bar: Any) -> None:

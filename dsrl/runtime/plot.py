@@ -80,7 +80,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         raise ConfigError(f"dsrl plot {run_dir}: metrics.jsonl holds no rollout or step rows yet.")
     plt = _pyplot()
     has_critic = any("value_loss" in r for r in rollouts)
-    has_mismatch = any(isinstance(r.get("rollout_logprob_abs_diff"), (int, float)) for r in rollouts)
+    has_mismatch = any(isinstance(r.get(k), (int, float)) for r in rollouts
+                       for k in ("rollout_logprob_abs_diff", "router_mismatch_frac"))
     phase_keys = [k for k in PHASE_KEYS if any(isinstance(r.get(k), (int, float)) for r in rollouts)]
     panels = ["reward", "entropy", "kl", *(["value"] if has_critic else []), *(["mismatch"] if has_mismatch else []),
               *(["phases"] if phase_keys else []), "lr"]
@@ -110,7 +111,12 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         mm = ax["mismatch"]
         for key, label in (("rollout_logprob_abs_diff", "mean |log pi_old - log mu|"),
                            ("rollout_kl", "KL(mu || pi_old)"), ("is_masked_frac", "masked fraction (mis)"),
-                           ("is_truncated_frac", "truncated fraction (tis)")):
+                           ("is_truncated_frac", "truncated fraction (tis)"),
+                           # a mixture-of-experts policy (docs/moe.md): experts chosen differently, and the
+                           # recompute's |log pi - log mu| with the trainer's own routes and with the rollout's
+                           ("router_mismatch_frac", "experts differing (token-layer fraction)"),
+                           ("logprob_abs_diff_own_routes", "|dlogp|, trainer's own routes"),
+                           ("logprob_abs_diff_replayed_routes", "|dlogp|, rollout's routes replayed")):
             x, y = _series(rollouts, "rollout", key)
             if y and any(v > 0 for v in y):
                 mm.plot(x, y, label=label)

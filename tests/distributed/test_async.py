@@ -38,7 +38,7 @@ BASE = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
 ARGS = ["--dsrl.run.rollouts", "6", "--dsrl.sft.steps", "4", "--dsrl.run.save_every", "2",
         "--dsrl.run.keep_last", "4", "--dsrl.run.progress_bar", "false", "--dsrl.batch.prompts_per_rollout", "8",
         "--dsrl.batch.mini_batch_size", "32"]
-TIMED = ("_s", "tokens_per_s", "generator_idle_frac", "trainer_wait", "publish", "generator_s")
+TIMED = ("_s", "tokens_per_s", "generator_idle_frac", "trainer_wait", "publish", "generator_s", "_mib")
 TIS = {"mode": "tis", "level": "token", "cap": 2.0}  # the shipped async config's correction: it uses mu in the loss
 
 

@@ -57,6 +57,9 @@ def _run_file(setup: Setup) -> dict:
         raw["sequence_parallel_size"] = setup.sequence_parallel_size
     if setup.max_staleness:  # colocated with k > 0: no placement value of the matrix has it
         raw["dsrl"]["algorithm"]["max_staleness"] = setup.max_staleness
+    raw["dsrl"].setdefault("model", {})["routing_replay"] = setup.routing_replay
+    if setup.router_aux_loss:
+        raw["dsrl"]["model"]["router_aux_loss_coef"] = 0.01
     return raw
 
 
@@ -81,11 +84,11 @@ def test_every_refusal_of_a_run_file_is_reported_at_once():
                   backend="vllm", expert_parallel=True)
     broken = support.refusals(setup)
     assert [r.name for r in broken] == ["multi-turn-disaggregated", "autotp-disaggregated", "autotp-vllm",
-                                        "autotp-lora", "autoep-lora"]
+                                        "autotp-lora", "autoep-lora", "autoep-vllm", "autoep-disaggregated"]
     with pytest.raises(ConfigError) as e:
         load_config(_run_file(setup))
     text = str(e.value)
-    assert text.startswith("5 problems:\n") and all(r.message(setup) in text for r in broken), text
+    assert text.startswith("7 problems:\n") and all(r.message(setup) in text for r in broken), text
 
 
 def _sentence_problems(rule: Rule) -> list[str]:

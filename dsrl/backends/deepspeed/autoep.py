@@ -129,7 +129,8 @@ def hf_parameters(named: dict[str, torch.Tensor], metas: dict[str, dict[str, Any
                   group_of: Callable[[str], Any]) -> dict[str, torch.Tensor]:
     """Parameters of an AutoEP-replaced model under the Hugging Face names of the fused-expert presets
     (Mixtral, Qwen-MoE): ``router.gate.weight`` -> ``gate.weight``; experts ``w1`` (gate) and ``w3``
-    (up) -> ``gate_up_proj`` (concatenated on dim 1, gate first); ``w2`` -> ``down_proj``."""
+    (up) -> ``gate_up_proj`` (concatenated on dim 1, gate first); ``w2`` -> ``down_proj``. The experts named in
+    ``metas`` are this rank's and get all-gathered over their expert-parallel group first."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in named.items():
@@ -138,6 +139,28 @@ def hf_parameters(named: dict[str, torch.Tensor], metas: dict[str, dict[str, Any
             experts.setdefault(prefix, {})[leaf] = _gather_experts(t, metas[name], group_of(name))
         else:
             out[name.replace(".router.gate.", ".gate.")] = t
+    return _fuse_experts(out, experts)
+
+
+def hf_state_dict(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A consolidated AutoEP checkpoint (DeepSpeed's universal conversion: every expert already whole,
+    ``[experts, ...]``) under the Hugging Face names of :func:`hf_parameters`. The conversion also writes each
+    router's gate a second time under the MoE block's output-capture alias (``mlp.gate.gate.weight``, equal to
+    ``mlp.router.gate.weight``); that copy is dropped."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in full.items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".experts") and leaf in ("w1", "w2", "w3"):
+            experts.setdefault(prefix, {})[leaf] = t
+        elif ".gate.gate." in name and name.replace(".gate.gate.", ".router.gate.") in full:
+            continue
+        else:
+            out[name.replace(".router.gate.", ".gate.")] = t
+    return _fuse_experts(out, experts)
+
+
+def _fuse_experts(out: dict[str, torch.Tensor], experts: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     for prefix, w in experts.items():
         if set(w) != {"w1", "w2", "w3"}:
             raise ValueError(f"AutoEP experts {prefix} hold {sorted(w)}; dsrl maps the fused gate/up layout "

@@ -76,6 +76,7 @@ class GeneratorWorker:
             self.prompts = PromptSource(records, sampler, self.side.tokenizer, d.data)
             self.side.build_model()
             self.side.check()  # this rank builds the backend: vLLM's refusals are found here, before any work
+            self.side.check_moe()  # the trainers refuse the same run file with the same sentence
         except (ConfigError, RunError) as e:
             problem = e
         role.agree(problem)

@@ -86,6 +86,14 @@ class RemoteRolloutBackend(RolloutBackend):
         self.timing: dict[str, float] = {}
         self.lost = False  # a generator is gone or hangs: close() does not wait for it
 
+    def returns_routes(self) -> bool:
+        """Whether the generators' backend (the run's ``rollout.backend`` on the same policy) records routes."""
+        from dsrl.rl.policy.moe import routes_unsupported
+        from dsrl.rollout.routes import MoERouting
+
+        on_gpu = next(self.module.parameters()).device.type != "cpu"
+        return MoERouting.of(self.module) is not None and routes_unsupported(self.cfg.rollout.backend, on_gpu) is None
+
     @property
     def bound_s(self) -> float:
         return 0.9 * self.cfg.run.collective_timeout_s

@@ -70,9 +70,10 @@ class _TurnResult:
     observation: list[int] | None  # appended when the trajectory goes on
     ended_by: str | None
     environment_s: float
+    routes: Any = None  # the turn's generate call's routes (an MoE policy), dsrl.rl.episodes.trajectory
 
     def apply(self, t: Trajectory) -> None:
-        t.add_model_turn(self.tokens, self.logprobs)
+        t.add_model_turn(self.tokens, self.logprobs, self.routes)
         t.last_text = self.text
         if self.reward is not None:
             t.rewards.append(self.reward)
@@ -153,7 +154,8 @@ class EpisodeRunner:
         logprobs = completion.behavior_logprobs
         logprobs = None if logprobs is None else list(logprobs[:len(tokens)])
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        result = _TurnResult(tokens, logprobs, text, None, None, MAX_TOKENS if cut else None, 0.0)
+        result = _TurnResult(tokens, logprobs, text, None, None, MAX_TOKENS if cut else None, 0.0,
+                             completion.routes)
         if not cut:
             self._step(records, labels, G, k, t, completion, turn, result)
         if result.ended_by is not None:

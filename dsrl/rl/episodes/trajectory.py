@@ -11,6 +11,11 @@ kept by :class:`Trajectory` (and so by every multi-turn sample, whatever produce
   §2, the off-policy correction, the critic's values, GAE and the KL use model tokens only;
 - ``behavior_logprobs`` has one entry per completion token: log mu of a model token as the backend reported it,
   0.0 at an observation token (mu is undefined there; nothing reads it, since it is never counted);
+- ``routes`` (a mixture-of-experts policy whose backend records them, :mod:`dsrl.core.routes`) cover the model's
+  tokens only: each turn's generate call routed the whole prefix, and the trajectory keeps from it the positions
+  whose outputs predicted that turn's tokens (the prefix's last position, then the turn's own tokens but its
+  last), plus, from the first turn, the prompt's positions. Every other position (environment tokens) is FREE:
+  the trainer routes it fresh. A turn without routes leaves the trajectory without any;
 - a model turn may be empty and a trajectory may hold no model token at all (then it contributes nothing to any
   count, like an overlong-filtered sample).
 """
@@ -19,7 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+
+from dsrl.core.routes import FREE, ROUTE_DTYPE, sequence_routes
 from dsrl.rl.data.batching import Sample
 
 # Why a trajectory ended (Sample.ended_by): the environment said done; the model turn bound; the token bound
@@ -45,6 +54,22 @@ class Trajectory:
     last_text: str = ""  # the text of the last model turn (what a reward function and the accuracy score)
     ended_by: str | None = None  # one of ENDINGS once ended
     environment_s: float = 0.0
+    routes: Any = None  # [positions so far, layers, top_k] (module docstring); None until a turn brings routes
+    routed: bool = True  # False once a model turn came without routes
+
+    def _add_routes(self, routes: torch.Tensor | None, start: int, n: int) -> None:
+        """Keep from a turn's routes (its generate call on a prefix of ``start`` tokens, ``n`` tokens kept) the
+        positions [start - 1, start + n - 1), and the prompt's for the first turn."""
+        if routes is None or not self.routed:
+            self.routed, self.routes = False, None
+            return
+        lo = 0 if self.turns == 0 else start - 1
+        hi = start + n - 1
+        held = self.routes if self.routes is not None else routes.new_empty((0, *routes.shape[1:]))
+        out = torch.full((max(hi, held.shape[0]), *routes.shape[1:]), FREE, dtype=ROUTE_DTYPE)
+        out[:held.shape[0]] = held
+        out[lo:hi] = routes[lo:hi].to(ROUTE_DTYPE)
+        self.routes = out
 
     @property
     def active(self) -> bool:
@@ -55,9 +80,11 @@ class Trajectory:
         """Prompt and completion: what the next turn is generated from."""
         return self.prompt_ids + self.completion_ids
 
-    def add_model_turn(self, tokens: list[int], logprobs: list[float] | None) -> None:
-        """Append a model turn's tokens exactly, with their behavior log-probs (None: the backend gave none)."""
+    def add_model_turn(self, tokens: list[int], logprobs: list[float] | None, routes: Any = None) -> None:
+        """Append a model turn's tokens exactly, with their behavior log-probs (None: the backend gave none) and,
+        for an MoE policy, the routes of the turn's generate call (module docstring)."""
         tokens = [int(t) for t in tokens]
+        self._add_routes(routes, len(self.tokens), len(tokens))
         if logprobs is None or self.behavior_logprobs is None:
             self.behavior_logprobs = None
         else:
@@ -89,7 +116,8 @@ class Trajectory:
             tokens=self.tokens, prompt_len=len(self.prompt_ids), group=group, reward=reward,
             finished=self.ended_by == DONE, accuracy=accuracy, behavior_logprobs=self.behavior_logprobs,
             completion_mask=list(self.mask), version=version, turn_mask=list(self.mask), turns=self.turns,
-            tool_calls=self.tool_calls, environment_s=self.environment_s, ended_by=self.ended_by)
+            tool_calls=self.tool_calls, environment_s=self.environment_s, ended_by=self.ended_by,
+            routes=sequence_routes(self.routes, len(self.tokens) - 1) if self.routes is not None else None)
 
 
 def model_mask(sample: Sample) -> list[int]:

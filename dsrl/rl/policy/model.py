@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from dsrl.config.names import MOE_TINY_ARCHS
+
 TINY_DEFAULTS: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -29,6 +31,17 @@ TINY_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
+}
+# The tiny mixture-of-experts model (arch qwen3_moe): every layer's MLP is 4 experts of which each token uses 2,
+# the top-2 probabilities renormalised (norm_topk_prob, as in Qwen3-30B-A3B; DeepSpeed AutoEP's Qwen-MoE preset
+# follows the config's norm_topk_prob). Same attention as the dense tiny models.
+TINY_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "output_router_logits": False,
 }
 
 
@@ -53,10 +66,11 @@ def tiny_config(arch: str, vocab_size: int, pad_token_id: int | None, bos_token_
 
     ``arch`` is one of :data:`dsrl.config.names.TINY_ARCHS` (``ModelConfig.arch`` admits nothing else).
     """
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
-    kwargs = {**TINY_DEFAULTS, "vocab_size": vocab_size, "pad_token_id": pad_token_id,
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}
+    moe = TINY_MOE_DEFAULTS if arch in MOE_TINY_ARCHS else {}
+    kwargs = {**TINY_DEFAULTS, **moe, "vocab_size": vocab_size, "pad_token_id": pad_token_id,
               "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, **(overrides or {})}
     return classes[arch](**kwargs)
 

@@ -83,6 +83,15 @@ class RolloutSide:
         except ImportError as e:
             raise ConfigError(str(e)) from None
 
+    def check_moe(self) -> Any:
+        """The mixture-of-experts refusals that need the model or this machine
+        (:func:`dsrl.rl.policy.moe.check_moe_run`: replay or a load-balancing loss with a dense or unroutable model,
+        replay with a backend that cannot return routes here); every rank of every role runs them. Returns the
+        policy's routing layout (None when dense)."""
+        from dsrl.rl.policy.moe import check_moe_run
+
+        return check_moe_run(self.cfg, self.on_gpu)
+
     def backend_kwargs(self, prompts_per_call: int) -> dict[str, Any]:
         """What a backend needs beyond the rollout settings: a vLLM engine its sizes and seed; continuous batching
         (``cb``, ``auto``) the run's largest call (:class:`dsrl.rollout.cb.CallBounds`: ``prompts_per_call`` prompts
