@@ -38,13 +38,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dsrl.cli.check_lora import adapter_parameters, lora_model_for, lora_settings, with_adapters
+from dsrl.cli.check_measures import full_parameters, is_expert, relative_error, update_ratio, worst_parameter
+from dsrl.cli.check_models import build_model, logprob_head, model_for
 from dsrl.cli.check_moe import (
     MOE_ARCHS,
     PLANTED,
@@ -52,7 +53,6 @@ from dsrl.cli.check_moe import (
     attach_routes,
     collate_routes,
     moe_layout,
-    moe_model,
     reference_aux,
     reference_routing,
     routed_loss,
@@ -60,7 +60,6 @@ from dsrl.cli.check_moe import (
 )
 from dsrl.cli.check_moe import mini_batch_load as moe_mini_batch_load
 from dsrl.cli.check_objectives import (
-    HIDDEN,
     LOSSES,
     MAX_LEN,
     OBJECTIVES,
@@ -69,7 +68,6 @@ from dsrl.cli.check_objectives import (
     per_token_loss,
     reference_correction,
     reference_per_token_loss,
-    value_model,
 )
 from dsrl.cli.check_trajectories import trajectory_sequences
 from dsrl.config.names import (
@@ -98,64 +96,6 @@ SPLITS = ("even", "uneven", "pad_rank", "empty")
 # Accepted by --splits but not run by default: token-budget micro-batches from dsrl.core.partition.
 EXTRA_SPLITS = ("token_budget",)
 TOKEN_BUDGET = MAX_LEN  # tight budget: several uneven micro-batches per rank
-
-
-class TinyCausalModel(torch.nn.Module):
-    """Embedding -> causal prefix-mean mixing -> tanh MLP -> logits. Right padding never changes
-    the outputs at earlier positions, so any split into padded micro-batches is exact."""
-
-    def __init__(self, vocab: int = VOCAB, hidden: int = HIDDEN):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, hidden)
-        self.mix = torch.nn.Linear(hidden, hidden)
-        self.out = torch.nn.Linear(hidden, vocab)
-
-    def get_output_embeddings(self) -> torch.nn.Linear:
-        """The output head (transformers' name): dsrl's log-probs fuse it into a tiled log-softmax."""
-        return self.out
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype).view(1, -1, 1)
-        prefix_mean = h.cumsum(1) / steps
-        return self.out(torch.tanh(self.mix(h + prefix_mean)))
-
-
-def hf_model(arch: str) -> torch.nn.Module:
-    """A tiny Hugging Face causal LM from a config (no download): Llama or Qwen2 (tied embeddings, GQA), a Llama
-    with its own output head (``llama_untied``: under AutoTP a vocabulary-parallel head), or a Mixtral /
-    Qwen3-MoE (:func:`dsrl.cli.check_moe.moe_model`: 4 experts, top-2, eager expert loop)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0)
-    if arch in ("qwen2", "llama", "llama_untied"):
-        cls = Qwen2Config if arch == "qwen2" else LlamaConfig
-        config = cls(intermediate_size=2 * HIDDEN, tie_word_embeddings=arch != "llama_untied", **common)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return moe_model(arch)
-
-
-def build_model(arch: str, objective: str = "policy", moe: MoESettings | None = None) -> torch.nn.Module:
-    """The check's model, initialised from the current torch seed (an MoE case: Mixtral with 2 layers)."""
-    if objective == "value":
-        return value_model(arch)
-    if moe is not None and arch == "mixtral":
-        return moe_model(arch, layers=2)
-    return TinyCausalModel() if arch == "tiny" else hf_model(arch)
-
-
-def model_for(ds_config: dict, requested: str, moe: MoESettings | None = None) -> str:
-    """``--model auto``: the tiny custom model, unless the ds_config shards the model by name (AutoTP ->
-    llama, AutoEP -> mixtral) or routes are replayed / balanced (``moe`` active: mixtral)."""
-    from dsrl.backends.deepspeed.autoep import expert_parallel_enabled
-    from dsrl.backends.deepspeed.autotp import tensor_parallel_size
-
-    if requested != "auto":
-        return requested
-    if (moe is not None and moe.active) or expert_parallel_enabled(ds_config):
-        return "mixtral"
-    return "llama" if tensor_parallel_size(ds_config) > 1 else "tiny"
 
 
 def make_sequences(n: int, seed: int, empty: bool = False, multiturn: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -309,52 +249,6 @@ def reference_gradient(model: torch.nn.Module, seqs: list[dict], loss_agg: str,
             for n, p in ref.named_parameters()}
 
 
-def full_parameters(engine: Any) -> dict[str, torch.Tensor]:
-    """Full (unpartitioned, unsharded) float64 copies of the module's parameters by their model names,
-    on every rank (ZeRO-3 partitions, AutoTP shards and AutoEP experts reassembled)."""
-    from dsrl.backends.deepspeed.autoep import full_parameters as gathered
-
-    return gathered(engine)
-
-
-def relative_error(update: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                   ref: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                   only: Callable[[str], bool] = lambda name: True) -> float:
-    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0); tensors are
-    matched by name (mappings) or by position (sequences)."""
-    if not (isinstance(update, Mapping) and isinstance(ref, Mapping)):  # by position (parameters() order)
-        update = {str(i): t for i, t in enumerate(update.values() if isinstance(update, Mapping) else update)}
-        ref = {str(i): t for i, t in enumerate(ref.values() if isinstance(ref, Mapping) else ref)}
-    if update.keys() != ref.keys():
-        raise RuntimeError(f"parameter names differ from the reference: {sorted(update.keys() ^ ref.keys())}")
-    worst = 0.0
-    for name, r in ref.items():
-        if not only(name):
-            continue
-        u = update[name]
-        denom = r.norm().item()
-        err = (u - r).norm().item()
-        worst = max(worst, err / denom if denom > 0 else err)
-    return worst
-
-
-def worst_parameter(update: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str:
-    """The name of the parameter with the largest relative error (for the report)."""
-    return max(ref, key=lambda n: relative_error({n: update[n]}, {n: ref[n]}))
-
-
-def update_ratio(update: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """The least-squares factor f with update ~= f * reference over all parameters (1 when exact)."""
-    num = sum(float((update[n] * r).sum()) for n, r in ref.items())
-    den = sum(float((r * r).sum()) for r in ref.values())
-    return num / den if den > 0 else 1.0
-
-
-def is_expert(name: str) -> bool:
-    """Whether a (Hugging Face) parameter name is an MoE expert weight."""
-    return ".experts." in name
-
-
 def naive_step(engine: Any, micros: list[dict], n_max: int, loss_fn: Any = per_token_loss) -> None:
     """The common wrong recipe: token-mean per micro-batch, averaged over the rank's micro-batches,
     then DeepSpeed's average over ranks (kept here to show the check can fail)."""
@@ -478,17 +372,6 @@ def run_case(ds_config: dict, stage: int, loss_agg: str, split: str, method: str
             "trainable_parameters": sum(p.numel() for p in reference.parameters() if p.requires_grad),
             "frozen_moved": max((float((update[n]).abs().max()) for n, p in reference.named_parameters()
                                  if not p.requires_grad), default=0.0)}
-
-
-def logprob_head(module: torch.nn.Module) -> str:
-    """How the check's log-probs were computed: ``fused`` (the output head fused into the tiled log-softmax),
-    ``fused vocab-parallel`` (a vocabulary-parallel head, e.g. an untied head under AutoTP) or ``logits: <why>``."""
-    from dsrl.rl.policy.logprobs import fused_head
-
-    how = fused_head(module)
-    if isinstance(how, str):
-        return f"logits: {how}"
-    return "fused" if how[1] is None else "fused vocab-parallel"
 
 
 def _moe_tag(res: dict[str, Any]) -> str:

@@ -47,7 +47,7 @@ class RolloutOutcome:
 
     @classmethod
     def of(cls, totals: Any, steps: Sequence[dict[str, Any]]) -> RolloutOutcome:
-        """From a rollout's summed :class:`dsrl.rl.experience.RolloutStats` and its step results (policy and
+        """From a rollout's summed :class:`dsrl.rl.rollout_stats.RolloutStats` and its step results (policy and
         critic; each holds the mini-batch's global token count)."""
         return cls(samples=int(totals.samples), masked=int(totals.masked_samples),
                    nonfinite_rewards=int(totals.samples - totals.finite_rewards),

@@ -25,12 +25,10 @@ same plan, so the bar ends exactly at the last step. Progress messages go throug
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import random
-import sys
 import time
 from typing import Any
 
@@ -39,7 +37,6 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from dsrl import algos
-from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
 from dsrl.backends.deepspeed.engine import RLEngine, ensure_distributed, initialize, on_gpu, prepare
 from dsrl.backends.deepspeed.frozen import FrozenModel, frozen_engine
 from dsrl.checkpoint import adapters
@@ -60,10 +57,11 @@ from dsrl.rl.disagg.remote import GenerationStopped
 from dsrl.rl.disagg.roles import Role
 from dsrl.rl.empty_rollouts import EmptyRollouts, RolloutOutcome
 from dsrl.rl.experience import ExperienceMaker, ExperienceSettings, Rewards
-from dsrl.rl.policy.logprobs import forward_logprobs
+from dsrl.rl.policy_loss import PolicyLoss
 from dsrl.rl.rewards.contract import all_timed_out
 from dsrl.rl.rewards.functions import load_accuracy_fn
 from dsrl.rollout.base import RolloutBackend
+from dsrl.runtime.console import log_through
 from dsrl.runtime.metrics import MetricsWriter, rollout_record
 from dsrl.runtime.peers import Peers
 from dsrl.runtime.phases import PhaseClock, phase_record
@@ -159,6 +157,8 @@ class Trainer:
             self.backend = self.side.backend(self.rl, self.plan.prompts_per_rank)
         self.pad_id = tok.pad_token_id
         self.algo = algos.resolve_algorithm(d.algorithm)
+        self.policy_loss = PolicyLoss(d.algorithm, self.algo, d.rollout.temperature, self.ref_model is not None,
+                                      self.moe)
         self.output_dir = d.run.output_dir
         self.ckpt_dir = os.path.join(self.output_dir, CHECKPOINT_SUBDIR)
         self.rollout_index = 0
@@ -261,51 +261,6 @@ class Trainer:
         return self.critic.companions()
 
     # -- training -------------------------------------------------------------------------------
-    def loss_fn(self, engine, micro, load: torch.Tensor | None = None):
-        """Per-token loss: clipped surrogate (token or sequence ratio), times the off-policy correction's weight
-        when one is set, (+ KL in loss) (- entropy bonus) (+ the router's load-balancing term, given the
-        mini-batch's expert ``load``), and per-token metrics. An MoE policy under routing replay runs with the
-        micro-batch's routes forced (they stay forced for its backward)."""
-        a, algo = self.d.algorithm, self.algo
-        moe = self.moe
-        if moe is not None and moe.replay:
-            if "routes" not in micro:
-                raise RuntimeError("a training micro-batch arrived without routes under dsrl.model.routing_replay = "
-                                   "'rollout'; the data path dropped them")
-            moe.routing.force(micro["routes"])
-        # log-probs and entropy from the same tiles of the fused output head (dsrl.rl.policy.logprobs); the entropy
-        # carries a gradient only when it is in the loss
-        with moe.routing.router_probs() if load is not None else contextlib.nullcontext() as probs:
-            tok = forward_logprobs(engine, micro, temperature=self.d.rollout.temperature, entropy=True,
-                                   entropy_grad=a.entropy_coef > 0)
-        logp = tok.logprobs
-        if algo.ratio_level == "sequence":
-            index = sequence_index(micro["loss_mask"], micro["position_ids"])
-            loss, m = sequence_clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
-                                                   algo.clip_low, algo.clip_high, index)
-        else:
-            loss, m = clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], algo.clip_low,
-                                          algo.clip_high)
-        if "is_weights" in micro:  # the off-policy correction's truncated weight (dsrl.algos.correction)
-            loss = loss * micro["is_weights"]
-        metrics = {"clip_low_frac": m["clip_low_frac"], "clip_high_frac": m["clip_high_frac"]}
-        if self.ref_model is not None:
-            kl = kl_estimate(logp, micro["ref_logprobs"], a.kl_estimator)
-            metrics["kl"] = kl.detach()
-            if a.kl_in == "loss":
-                loss = loss + a.kl_coef * kl
-        ent = tok.entropy
-        if a.entropy_coef > 0:
-            loss = loss - a.entropy_coef * ent
-        metrics["entropy"] = ent.detach()
-        if load is not None:  # a_t of dsrl.algos.router_balance, aggregated like every per-token term
-            from dsrl.algos.router_balance import balance_per_token
-
-            aux = balance_per_token(probs, load, loss.shape).to(loss.dtype)
-            loss = loss + moe.aux_coef * aux
-            metrics["router_aux_loss"] = aux.detach()
-        return loss, metrics
-
     def train_rollout(self, local: list[Sample], on_step) -> list[dict[str, Any]]:
         """E reshuffled passes over the rollout; one optimizer step per mini-batch (of the policy, unless
         in the critic's warm-up, and of the critic). Returns the policy's step results; the critic's are
@@ -343,7 +298,7 @@ class Trainer:
         after the step's backwards."""
         moe = self.moe
         if moe is None:
-            return self.rl.train_mini_batch(micros, self.loss_fn)
+            return self.rl.train_mini_batch(micros, self.policy_loss)
         load = None
         if moe.aux_coef > 0:
             from dsrl.algos.router_balance import mini_batch_load
@@ -351,7 +306,7 @@ class Trainer:
             lay = moe.layout
             load = mini_batch_load(micros, lay.layers, lay.experts, lay.top_k, self.rl.sum_over_count_group)
         try:
-            return self.rl.train_mini_batch(micros, functools.partial(self.loss_fn, load=load))
+            return self.rl.train_mini_batch(micros, functools.partial(self.policy_loss, load=load))
         finally:
             moe.release()
 
@@ -395,7 +350,7 @@ class Trainer:
                        desc="dsrl", dynamic_ncols=True)
         self.stop.training = True
         try:
-            with _log_through(bar):
+            with log_through(bar):
                 summary = self._loop(bar)
                 if self._finished_here and self.d.run.export_final and self.d.run.save_final:
                     self._export_final()
@@ -560,26 +515,6 @@ class Trainer:
         if self.rank == 0:
             log.info("supervised warm-up: %d steps, loss %.3f -> %.3f, %.1fs", self.d.sft.steps, first[0], first[-1],
                      time.perf_counter() - t0)
-
-
-@contextlib.contextmanager
-def _log_through(bar: Any):
-    """Route dsrl's log records through tqdm while ``bar`` is shown (so lines do not break the bar);
-    give the ``dsrl`` logger a stdout handler when nothing configured logging."""
-    logger = logging.getLogger("dsrl")
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("dsrl: %(message)s"))
-        logger.addHandler(handler)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.INFO)
-    if bar is None:
-        yield
-        return
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    with logging_redirect_tqdm(loggers=[logger]):
-        yield
 
 
 def _match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) -> None:

@@ -65,8 +65,8 @@ from typing import Any
 
 import torch
 
-from dsrl.core.routes import FREE, ROUTE_DTYPE
 from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos
+from dsrl.rollout.cb_routes import PackedRoutes
 from dsrl.rollout.cb_session import Session, capture_hint, warmup_or_raise
 from dsrl.rollout.hf import HFRolloutBackend
 from dsrl.rollout.policy import gathered_for_generation, neutral_generation_config
@@ -383,7 +383,7 @@ class ContinuousBatchingBackend(RolloutBackend):
         session.manager.destroy()
         self._restore_attention()
 
-    def _run(self, prompt_ids: list[list[int]], g: int, seed: int) -> tuple[dict[str, Any], _PackedRoutes | None]:
+    def _run(self, prompt_ids: list[list[int]], g: int, seed: int) -> tuple[dict[str, Any], PackedRoutes | None]:
         """Every request through the kept manager (:meth:`_session_for`): request id ``"<prompt>/<sample>"`` ->
         GenerationOutput, and (an MoE policy) the routes of the call's packed forwards. The manager stops after
         the call with its cache and graphs kept for the next one."""
@@ -412,7 +412,7 @@ class ContinuousBatchingBackend(RolloutBackend):
                     raise RuntimeError("continuous batching replays CUDA graphs here, which run no Python forward, so "
                                        "the routes of an MoE policy cannot be recorded. Fix: use rollout.backend = "
                                        "'hf' for routing replay on this machine.")
-                routes = _PackedRoutes(manager)
+                routes = PackedRoutes(manager)
                 layout_hook = self.module.register_forward_pre_hook(routes.note_layout, with_kwargs=True)
                 recording = self.routing.recording()
             with recording as log:
@@ -470,54 +470,3 @@ class ContinuousBatchingBackend(RolloutBackend):
         if got != expected:
             raise RuntimeError(f"continuous batching would apply the logits processors {sorted(got)} instead of "
                                f"dsrl.rollout's {sorted(expected)}; use rollout.backend = 'hf'")
-
-
-class _PackedRoutes:
-    """The routes of continuous batching's packed forwards, per request (module docstring).
-
-    :meth:`note_layout` (a pre-forward hook on the model, in the generation thread) notes each forward's rows:
-    request ids by the batch's query lengths, positions from ``position_ids``; :meth:`assemble` pairs them with
-    the routers' recording (one entry per forward, same order); :meth:`of` gives one completion's routes."""
-
-    def __init__(self, manager: Any):
-        self.manager = manager
-        self.layouts: list[tuple[list[str], torch.Tensor]] = []  # per forward: request id per row, position per row
-        self.per_request: dict[str, dict[int, torch.Tensor]] = {}
-
-    def _host_io(self) -> Any:
-        io = self.manager.batch_processor.inputs_and_outputs
-        if hasattr(io, "io_pairs"):
-            raise RuntimeError("continuous batching runs with asynchronous batching (CUDA graphs): its packed rows "
-                               "cannot be matched to requests for the routes of an MoE policy. Fix: use "
-                               "rollout.backend = 'hf' for routing replay on this machine.")
-        return io
-
-    def note_layout(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        host = self._host_io()
-        rows = [fs.state.request_id for fs in host.requests_in_batch for _ in range(fs.query_length)]
-        positions = kwargs["position_ids"].reshape(-1)[: len(rows)].to("cpu", copy=True)  # a reused buffer
-        self.layouts.append((rows, positions))
-
-    def assemble(self, log: Any) -> None:
-        if log.forwards != len(self.layouts):
-            raise RuntimeError(f"continuous batching ran {log.forwards} routed forwards for {len(self.layouts)} batch "
-                               "layouts; its forward path changed")
-        for i, (rows, positions) in enumerate(self.layouts):
-            routes = log.call(i)
-            for row, (rid, pos) in enumerate(zip(rows, positions.tolist())):
-                self.per_request.setdefault(rid, {})[int(pos)] = routes[row]
-
-    def of(self, request_id: str, prompt: int, positions: int) -> torch.Tensor:
-        """``[positions, layers, top_k]`` routes of one completion (prompt positions missing from its own forwards
-        taken from a sibling sample of the same prompt; FREE where none computed them)."""
-        own = self.per_request.get(request_id, {})
-        siblings = [r for rid, r in self.per_request.items() if rid.split("/")[0] == str(prompt)]
-        first = next(iter(own.values()), None) if own else next(iter(siblings[0].values()))
-        out = torch.full((positions, *first.shape), FREE, dtype=ROUTE_DTYPE)
-        for p in range(positions):
-            row = own.get(p)
-            if row is None:
-                row = next((r[p] for r in siblings if p in r), None)
-            if row is not None:
-                out[p] = row
-        return out

@@ -126,7 +126,7 @@ def _token_mean(results: list[dict[str, Any]], key: str) -> float:
 def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rollout: int, optimizer_step: int,
                    rollout_size: int, prompt_epochs: float, sampling_rounds: int,
                    local_train_s: float, elapsed_s: float = 0.0) -> dict[str, Any]:
-    """The ``rollout`` row of metrics.jsonl from the rollout's summed :class:`dsrl.rl.experience.RolloutStats`
+    """The ``rollout`` row of metrics.jsonl from the rollout's summed :class:`dsrl.rl.rollout_stats.RolloutStats`
     (already reduced over ranks) and its optimizer steps' results."""
     n = stats.finite_rewards
     mean = stats.reward_sum / n if n else float("nan")

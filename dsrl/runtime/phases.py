@@ -30,7 +30,7 @@ Invariants kept by :class:`PhaseClock`:
 - listeners (:class:`PhaseListener`, e.g. a profiler) hear each phase start before its timing starts and
   each end after its timing stopped, so what they do there is not counted.
 
-:meth:`PhaseTotals.reduced` combines the ranks' totals like :meth:`dsrl.rl.experience.RolloutStats.summed`:
+:meth:`PhaseTotals.reduced` combines the ranks' totals like :meth:`dsrl.rl.rollout_stats.RolloutStats.summed`:
 seconds and token counts are summed (the row divides seconds by the world size: the mean over ranks, like
 ``rollout_s``), peaks maximised.
 """

@@ -18,8 +18,9 @@ import torch
 from test_step_core import PlainStep
 
 from dsrl.algos.correction import correct
-from dsrl.cli.check import MAX_LEN, TinyCausalModel, collate, make_sequences, reference_gradient
+from dsrl.cli.check import MAX_LEN, collate, make_sequences, reference_gradient
 from dsrl.cli.check import relative_error as _rel
+from dsrl.cli.check_models import TinyCausalModel
 from dsrl.cli.check_objectives import CORRECTION_CAP, CORRECTIONS, LOSSES, apply_correction, reference_correction
 from dsrl.config.names import LOSS_AGG_MODES, TOKEN_MEAN
 

@@ -9,7 +9,7 @@ import pytest
 
 from dsrl.core.errors import RunError
 from dsrl.rl.empty_rollouts import EmptyRollouts, RolloutOutcome
-from dsrl.rl.experience import RolloutStats
+from dsrl.rl.rollout_stats import RolloutStats
 
 
 def _stats(samples=16, masked=16, finite=0, timeouts=0, truncated=0) -> RolloutStats:

@@ -215,7 +215,7 @@ def test_a_waiting_rank_names_the_busy_rank_its_sample_and_how_long(caplog):
 
 def test_rollout_record_has_the_trajectory_columns():
     from dsrl.rl.episodes.trajectory import DONE, MAX_TURNS, Trajectory
-    from dsrl.rl.experience import RolloutStats
+    from dsrl.rl.rollout_stats import RolloutStats
     from dsrl.runtime.metrics import rollout_record
 
     samples = []

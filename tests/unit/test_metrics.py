@@ -6,7 +6,7 @@ import json
 import math
 
 from dsrl.rl.data.batching import Sample
-from dsrl.rl.experience import RolloutStats
+from dsrl.rl.rollout_stats import RolloutStats
 from dsrl.runtime.metrics import MetricsWriter, rollout_record
 
 

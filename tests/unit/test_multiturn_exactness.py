@@ -15,8 +15,9 @@ import torch
 from test_correction import _splits
 from test_step_core import PlainStep
 
-from dsrl.cli.check import MAX_LEN, TinyCausalModel, collate, make_sequences, reference_gradient
+from dsrl.cli.check import MAX_LEN, collate, make_sequences, reference_gradient
 from dsrl.cli.check import relative_error as _rel
+from dsrl.cli.check_models import TinyCausalModel
 from dsrl.cli.check_objectives import CORRECTIONS, LOSSES, VOCAB, apply_correction
 from dsrl.cli.check_trajectories import MODEL, OBSERVATION, _segments
 from dsrl.config.names import LOSS_AGG_MODES, SEQ_MEAN_TOKEN_MEAN, TOKEN_MEAN

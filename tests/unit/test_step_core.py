@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from dsrl.cli.check import MAX_LEN, TinyCausalModel, collate, make_sequences, per_token_loss, reference_gradient
+from dsrl.cli.check import MAX_LEN, collate, make_sequences, per_token_loss, reference_gradient
 from dsrl.cli.check import relative_error as _rel
+from dsrl.cli.check_models import TinyCausalModel
 from dsrl.config.names import LOSS_AGG_MODES
 from dsrl.core.parallel import ParallelView
 from dsrl.core.step import RESERVED_NAMES, StepCore, StepInputs, StepResult, Update

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 import dsrl
 from dsrl.checkpoint.engines import load_engines, save_engines
-from dsrl.cli.check import TinyCausalModel, collate, make_sequences, per_token_loss
+from dsrl.cli.check import collate, make_sequences, per_token_loss
+from dsrl.cli.check_models import TinyCausalModel
 
 
 def _config(stage: int, rollouts: int, E: int, out: str, sched: bool) -> dict:

@@ -1,0 +1,81 @@
+"""The policy's per-token loss of one training micro-batch (:class:`PolicyLoss`), as the trainer's engine calls it.
+
+``PolicyLoss(...)(engine, micro)`` returns ``(loss[b, t], metrics)``: per token, never reduced here. The engine
+(:meth:`dsrl.backends.deepspeed.engine.RLEngine.train_mini_batch`) weights and sums it with the mini-batch's
+global counts (ARCHITECTURE §2), so every term added here -- the clipped surrogate, the KL penalty, the entropy
+bonus, the router's load-balancing term -- is aggregated exactly like the surrogate.
+
+The log-probs and the entropy come from one forward through the fused output head
+(:func:`dsrl.rl.policy.logprobs.forward_logprobs`); under routing replay the micro-batch's recorded routes are
+forced before it and stay forced for its backward (the trainer releases them after the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
+from dsrl.config import AlgorithmConfig
+from dsrl.rl.policy.logprobs import forward_logprobs
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """Clipped surrogate (token or sequence ratio), times the off-policy correction's weight when the micro-batch
+    carries one, (+ KL in the loss) (- entropy bonus) (+ the router's load-balancing term, given the mini-batch's
+    expert ``load``), and per-token metrics.
+
+    ``algorithm`` is the run file's section, ``algo`` its resolved algorithm (clip range, ratio level);
+    ``with_reference``: the micro-batches carry ``ref_logprobs`` (a KL penalty is measured); ``moe``: an MoE
+    policy's routing duties (:class:`dsrl.rl.policy.moe.PolicyRouting`), None for a dense one."""
+
+    algorithm: AlgorithmConfig
+    algo: Any
+    temperature: float
+    with_reference: bool
+    moe: Any = None
+
+    def __call__(self, engine: Any, micro: dict[str, Any],
+                 load: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        a, algo, moe = self.algorithm, self.algo, self.moe
+        if moe is not None and moe.replay:
+            if "routes" not in micro:
+                raise RuntimeError("a training micro-batch arrived without routes under dsrl.model.routing_replay = "
+                                   "'rollout'; the data path dropped them")
+            moe.routing.force(micro["routes"])
+        # log-probs and entropy from the same tiles of the fused output head; the entropy carries a gradient only
+        # when it is in the loss
+        with moe.routing.router_probs() if load is not None else contextlib.nullcontext() as probs:
+            tok = forward_logprobs(engine, micro, temperature=self.temperature, entropy=True,
+                                   entropy_grad=a.entropy_coef > 0)
+        logp = tok.logprobs
+        if algo.ratio_level == "sequence":
+            index = sequence_index(micro["loss_mask"], micro["position_ids"])
+            loss, m = sequence_clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
+                                                   algo.clip_low, algo.clip_high, index)
+        else:
+            loss, m = clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], algo.clip_low,
+                                          algo.clip_high)
+        if "is_weights" in micro:  # the off-policy correction's truncated weight (dsrl.algos.correction)
+            loss = loss * micro["is_weights"]
+        metrics = {"clip_low_frac": m["clip_low_frac"], "clip_high_frac": m["clip_high_frac"]}
+        if self.with_reference:
+            kl = kl_estimate(logp, micro["ref_logprobs"], a.kl_estimator)
+            metrics["kl"] = kl.detach()
+            if a.kl_in == "loss":
+                loss = loss + a.kl_coef * kl
+        ent = tok.entropy
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * ent
+        metrics["entropy"] = ent.detach()
+        if load is not None:  # a_t of dsrl.algos.router_balance, aggregated like every per-token term
+            from dsrl.algos.router_balance import balance_per_token
+
+            aux = balance_per_token(probs, load, loss.shape).to(loss.dtype)
+            loss = loss + moe.aux_coef * aux
+            metrics["router_aux_loss"] = aux.detach()
+        return loss, metrics
