@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import shutil
 
@@ -61,16 +62,29 @@ def _modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
     return mods
 
 
+@functools.cache
+def _import_statements(text: str) -> tuple[tuple[str | None, tuple[str, ...]], ...]:
+    """(module of a ``from`` import or None for ``import``, the names) of every import in a module's text: parsed
+    once per text, so the planted copies of dsrl/ re-parse only the file a test changed."""
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.append((node.module, tuple(a.name for a in node.names)))
+        elif isinstance(node, ast.Import):
+            out.append((None, tuple(a.name for a in node.names)))
+    return tuple(out)
+
+
 def _imports(path: pathlib.Path, mods: dict[str, pathlib.Path]) -> set[str]:
     """Everything ``path`` imports anywhere in its body that names dsrl or tests (``from dsrl import x``
     counts as dsrl.x when that is a module)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("dsrl", "tests"):
-            subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
-            out |= subs or {node.module}
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] in ("dsrl", "tests")}
+    for module, names in _import_statements(path.read_text()):
+        if module is not None and module.split(".")[0] in ("dsrl", "tests"):
+            subs = {f"{module}.{name}" for name in names} & mods.keys()
+            out |= subs or {module}
+        elif module is None:
+            out |= {name for name in names if name.split(".")[0] in ("dsrl", "tests")}
     return out
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, write_json
+from conftest import write_json
 
+from dsrl.cli.main import main
 from dsrl.config import load_config
 from dsrl.core.plan import BatchPlan
 
@@ -87,14 +86,14 @@ def test_fixed_and_token_budget_rows():
     assert tb.deepspeed_batch_fields()["gradient_accumulation_steps"] is None
 
 
-def test_dsrl_plan_cli_json(tmp_path):
+def test_dsrl_plan_cli_json(tmp_path, capsys):
+    """`dsrl plan --json` in-process (tests/distributed/test_cli_processes.py runs the CLI in fresh interpreters)."""
     raw = _rloo_config(4, E=2, B=8)
     raw["scheduler"] = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "cos_min_ratio": 0.1}}
     path = write_json(tmp_path / "run.json", raw)
-    out = subprocess.run([sys.executable, "-m", "dsrl.cli", "plan", "--ds_config", str(path), "--world_size", "2",
-                          "--dataset_size", "490", "--json", "--dsrl.batch.samples_per_prompt", "2"],
-                         cwd=REPO, capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout)
+    assert main(["plan", "--ds_config", str(path), "--world_size", "2", "--dataset_size", "490", "--json",
+                 "--dsrl.batch.samples_per_prompt", "2"]) == 0
+    got = json.loads(capsys.readouterr().out)
     for key in ("prompts_per_rollout", "samples_per_prompt", "rollout_size", "mini_batch_size",
                 "epochs_per_rollout", "optimizer_steps_per_rollout", "micro_batch_size_per_rank",
                 "max_tokens_per_micro_batch", "data_parallel_size", "rollouts", "total_optimizer_steps",
@@ -107,6 +106,5 @@ def test_dsrl_plan_cli_json(tmp_path):
     assert got["lr_last_step"] == pytest.approx(0.1 * 3e-6)  # cosine reaches its floor at the last step
     assert got["lr_first_step"] < got["lr_last_step"] or math.isclose(got["lr_first_step"], 0.0, abs_tol=1e-9)
     # An error exits 2 and names the field.
-    bad = subprocess.run([sys.executable, "-m", "dsrl.cli", "plan", "--ds_config", str(path), "--world_size", "3",
-                          "--dataset_size", "490"], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 2 and "dsrl.batch.prompts_per_rollout" in bad.stderr
+    rc = main(["plan", "--ds_config", str(path), "--world_size", "3", "--dataset_size", "490"])
+    assert rc == 2 and "dsrl.batch.prompts_per_rollout" in capsys.readouterr().err
