@@ -1,9 +1,13 @@
 """Shared test helpers: launch real multi-process DeepSpeed jobs on the CPU accelerator (gloo).
 
-Two tiers (README: ``pytest tests`` runs both):
+The tiers (README):
 - ``tests/unit``: pure Python and single-process tests, run while editing (``pytest tests/unit``);
 - ``tests/distributed``: real multi-process DeepSpeed / Megatron / pdsh jobs, each launching a script from
-  ``tests/workers`` (or ``launch/``, ``dsrl.check``) and checking what it wrote.
+  ``tests/workers`` (or ``launch/``, ``dsrl.check``) and checking what it wrote;
+- the extended tier: tests marked ``extended`` (:data:`EXTENDED`), the long end-to-end scenarios -- ranks killed
+  and runs resumed, multi-node pdsh jobs, full disks, signals, learning curves beyond the default's, the
+  benchmarks' smoke runs. ``pytest tests`` (the README suite) leaves them out; ``pytest tests --tier extended``
+  runs only them, ``--tier all`` everything. CI (``.ci/run``) runs the suite, then the extended tier.
 """
 
 from __future__ import annotations
@@ -23,6 +27,30 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dsrl.backends.deepspeed import cpu_shm  # noqa: E402
+
+EXTENDED = pytest.mark.extended
+TIERS = ("suite", "extended", "all")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tier", choices=TIERS, default="suite",
+                     help="suite (default): every test but the extended tier's; extended: only those; all: both")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "extended: a long end-to-end scenario, run with --tier extended or all")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tier = config.getoption("--tier")
+    if tier == "all":
+        return
+    keep = [i for i in items if (i.get_closest_marker("extended") is not None) == (tier == "extended")]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, free_port, launch, write_json
+from conftest import EXTENDED, REPO, free_port, launch, write_json
 
 BASE = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
 ARGS = ["--dsrl.run.rollouts", "6", "--dsrl.sft.steps", "4", "--dsrl.run.save_every", "2",
@@ -123,6 +123,7 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "final_model" / "model.safetensors"))
 
 
+@EXTENDED
 def test_k0_is_bitwise_the_colocated_run_also_after_a_killed_generator(tmp_path):
     colocated, split = tmp_path / "colocated", tmp_path / "split"
     launch(["launch/train.py", "--ds_config", str(_run_file(tmp_path, False, **TIS)), *ARGS, "--dsrl.run.output_dir",
@@ -170,6 +171,7 @@ def test_k0_is_bitwise_the_colocated_run_under_zero3_and_with_lora(tmp_path, cel
     assert [r["rollout"] for r in _rows(split, "rollout")] == [1, 2, 3]
 
 
+@EXTENDED
 def test_k1_runs_stale_and_resumes_after_a_killed_trainer_without_gap_or_repeat(tmp_path):
     cut = tmp_path / "killed"
     run_file = _run_file(tmp_path, True, k=1, mode="tis", level="token", cap=2.0)
@@ -196,6 +198,7 @@ def test_k1_runs_stale_and_resumes_after_a_killed_trainer_without_gap_or_repeat(
     assert all(r["rollout_logprob_abs_diff"] > 1e-4 for r in got if r["staleness_max"])  # stale: measured mismatch
 
 
+@EXTENDED
 def test_a_generator_killed_while_the_trainers_are_busy_is_named(tmp_path):
     """The trainers score with a reward function that takes 3 s per call: the launcher's SIGTERM (sent as soon as
     the generator died) reaches them while they work, before they wait for the generator's next samples."""
@@ -216,6 +219,7 @@ def test_a_generator_killed_while_the_trainers_are_busy_is_named(tmp_path):
     assert latest == f"rollout{max(r['rollout'] for r in _rows(out, 'rollout'))}"
 
 
+@EXTENDED
 @pytest.mark.parametrize("bound", [20])
 def test_a_hung_generator_is_named_and_the_job_ends_within_its_bound(tmp_path, bound):
     out = tmp_path / "out"

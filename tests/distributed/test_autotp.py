@@ -21,7 +21,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, launch, write_json
+from conftest import EXTENDED, REPO, launch, write_json
 
 TOL = 1e-6
 PAD, EOS = 0, 2  # tests/workers/autotp_rollout_worker.py
@@ -185,6 +185,7 @@ def autotp_run(tmp_path_factory):
     return out
 
 
+@EXTENDED
 def test_main_job_under_autotp_learns(autotp_run):
     rewards = [r["reward_mean"] for r in _rows(autotp_run, "rollout")]
     assert len(rewards) == ROLLOUTS
@@ -199,6 +200,7 @@ def test_main_job_under_autotp_learns(autotp_run):
     assert len(steps) == ROLLOUTS * b["prompts_per_rollout"] * b["samples_per_prompt"] // b["mini_batch_size"]
 
 
+@EXTENDED
 def test_resume_under_autotp_is_bitwise(autotp_run, tmp_path):
     """Resume from a late checkpoint of that run (ZeRO-3 partitions of both AutoTP shards, the schedule, the
     sampler, the RNG) in a fresh output dir: the rest of the run reproduces the uninterrupted run's losses and

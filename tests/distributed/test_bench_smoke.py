@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import EXTENDED
+
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))

@@ -12,9 +12,11 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, free_port, launch
+from conftest import EXTENDED, REPO, free_port, launch
 
 from dsrl.backends.deepspeed import cpu_shm
+
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 
 def _run(mode: str) -> tuple[int, list[str]]:

@@ -11,7 +11,9 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, launch, write_json
+from conftest import EXTENDED, REPO, launch, write_json
+
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 ROLLOUTS = 1  # 4 optimizer steps over 2 reshuffled epochs
 CASES = {  # name: (ranks, run file, extra overrides)

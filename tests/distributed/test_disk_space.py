@@ -14,7 +14,9 @@ import json
 import subprocess
 
 import pytest
-from conftest import REPO, launch, one_rank
+from conftest import EXTENDED, REPO, launch, one_rank
+
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 ROLLOUTS = 3
 

@@ -18,7 +18,9 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, launch, one_rank
+from conftest import EXTENDED, REPO, launch, one_rank
+
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 WORKER = "tests/workers/reliability_worker.py"
 ROLLOUTS = 3

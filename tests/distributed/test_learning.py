@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, launch
+from conftest import EXTENDED, REPO, launch
 
 ROLLOUTS = 40
 
 
 # ZeRO-3 generation through hf is covered by tests/distributed/test_rollout_zero3.py
-@pytest.mark.parametrize("stage,backend", [(2, "hf"), (3, "cb")])
+@pytest.mark.parametrize("stage,backend", [(2, "hf"), pytest.param(3, "cb", marks=EXTENDED)])
 def test_tiny_default_reward_improves(tmp_path, stage, backend):
     out = tmp_path / "run"
     run_file = tmp_path / "run.json"

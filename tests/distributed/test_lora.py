@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, launch, one_rank, write_json
+from conftest import EXTENDED, REPO, launch, one_rank, write_json
 
 pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
 
@@ -80,6 +80,7 @@ def _steps(out) -> list[dict]:
     return [r for r in rows if r["event"] in ("sft", "step")]
 
 
+@EXTENDED
 def test_resume_bitwise_elastic_resume_and_exports(tmp_path):
     """ZeRO-3, KL against the adapters-disabled reference: a run stopped after rollout 1 and resumed on 2 ranks
     repeats the uninterrupted run bitwise (every loss, KL and the final weights); a copy of the stopped run resumed
@@ -146,6 +147,7 @@ def test_resume_bitwise_elastic_resume_and_exports(tmp_path):
     assert rel(logits(adapted)) <= 1e-6
 
 
+@EXTENDED
 def test_resume_with_model_lora_changed_is_refused_naming_it(tmp_path):
     """A LoRA run resumed without dsrl.model.lora (or with other adapters), and a full run resumed with it added:
     refused before any model is built (status 2), one sentence naming dsrl.model.lora, the saved setting and the

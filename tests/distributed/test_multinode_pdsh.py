@@ -67,6 +67,8 @@ else:
     ensure_distributed()
 import torch.distributed as dist
 
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
+
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "DS_ACCELERATOR", "DSRL_LOG_LEVEL",
         "DSRL_NOT_FORWARDED", "SSH_CONNECTION", "OMP_NUM_THREADS"]
 out = {k: os.environ.get(k) for k in keys}

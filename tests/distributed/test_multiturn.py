@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 
-from conftest import REPO, launch
+from conftest import EXTENDED, REPO, launch
 
 FIXTURE = "tests/data/environment_fixture.py"
 
@@ -59,6 +59,7 @@ def test_zero3_ppo_cb_trajectories_with_an_environment_timeout(tmp_path):
             assert r[f"phase_{p}_s"] > 0 and r[f"peak_{p}_mib"] > 0, (p, r)
 
 
+@EXTENDED
 def test_stuck_environment_is_reported_then_named_by_the_collective_bound(tmp_path):
     out = tmp_path / "out"
     start = time.monotonic()

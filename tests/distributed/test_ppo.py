@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from conftest import REPO, launch
+from conftest import EXTENDED, REPO, launch
 
 PPO = REPO / "configs" / "tiny_ppo_cpu.json"
 
@@ -71,6 +71,7 @@ RESUME_ARGS = ["--dsrl.run.rollouts", "4", "--dsrl.batch.prompts_per_rollout", "
                "--dsrl.run.progress_bar", "false"]
 
 
+@EXTENDED
 def test_ppo_kill_mid_checkpoint_then_resume_is_bitwise(tmp_path):
     """Policy on ZeRO-2, critic on ZeRO-3 (its own section), one critic-only rollout: rank 0 is killed with SIGKILL
     while writing the rollout-3 checkpoint; the resumed run's step losses (policy and critic) and every tensor of
@@ -103,6 +104,7 @@ def test_ppo_kill_mid_checkpoint_then_resume_is_bitwise(tmp_path):
     assert "score.weight" in _fp32_weights(ref / "checkpoints", "rollout4", "critic")
 
 
+@EXTENDED
 def test_ppo_learns_under_zero3(tmp_path):
     """PPO from scratch (no supervised warm-up) with policy and critic both on ZeRO-3 and token-budget
     micro-batches (per-rank counts differ, fillers keep forwards/backwards equal): the mean reward of the last 10

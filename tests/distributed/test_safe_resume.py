@@ -22,7 +22,9 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, free_port, launch, one_rank
+from conftest import EXTENDED, REPO, free_port, launch, one_rank
+
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 ROLLOUTS = 3
 

@@ -21,7 +21,9 @@ import sys
 import time
 
 import psutil
-from conftest import REPO, free_port, launch
+from conftest import EXTENDED, REPO, free_port, launch
+
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 
 def _config(tmp_path) -> str:

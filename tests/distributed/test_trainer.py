@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, launch
+from conftest import EXTENDED, REPO, launch
 
 ROLLOUTS = 4
 BASE_ARGS = [
@@ -83,6 +83,7 @@ def test_clip_fraction_zero_on_first_mini_batch_only(reference):
     assert max(later) > 0.0, later  # later mini-batches are off-policy
 
 
+@EXTENDED
 def test_exact_resume_after_clean_stop(reference, tmp_path):
     ref_out, _ = reference
     _train(tmp_path, "--dsrl.run.stop_after_rollouts", "2")
