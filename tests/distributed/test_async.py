@@ -153,6 +153,7 @@ SHORT = ["--dsrl.run.rollouts", "3", "--dsrl.sft.steps", "4", "--dsrl.run.progre
          "--dsrl.batch.prompts_per_rollout", "8", "--dsrl.batch.mini_batch_size", "32"]
 
 
+@EXTENDED
 @pytest.mark.parametrize("cell", ["zero3", "lora"])
 def test_k0_is_bitwise_the_colocated_run_under_zero3_and_with_lora(tmp_path, cell):
     """ZeRO-3 trainers publish weights gathered once (their module holds empty shards); a LoRA generator holds the

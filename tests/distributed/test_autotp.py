@@ -107,6 +107,7 @@ def test_moe_without_expert_parallelism_exact(tmp_path):
     assert max(max(r["dense_error"], r["expert_error"]) for r in results) <= TOL, results
 
 
+@EXTENDED
 def test_generation_tensor_peers_identical_and_in_lockstep(tmp_path):
     out = tmp_path / "report.json"
     launch(["tests/workers/autotp_rollout_worker.py", "--out", str(out), "--stages", "1,3"], nprocs=2, timeout=300)
@@ -134,6 +135,7 @@ def test_generation_tensor_peers_identical_and_in_lockstep(tmp_path):
         assert a["train_step_applied"] and b["train_step_applied"]
 
 
+@EXTENDED
 def test_kl_reference_under_autotp_zero3(tmp_path):
     """The frozen KL reference is an optimizer-less ZeRO-3 engine, AutoTP-sharded like the policy (an engine
     without the tensor_parallel section fails: AutoTP's groups are global)."""

@@ -42,6 +42,7 @@ def test_adapters_update_exact_on_every_stage_and_mode(tmp_path):
     assert len({r["trainable_parameters"] for r in results}) == 1 and exact[0]["trainable_parameters"] > 0
 
 
+@EXTENDED
 def test_reference_generation_and_merged_weights_on_every_stage(tmp_path):
     """tests/workers/lora_worker.py on ZeRO 0-3 with uneven work per rank: the KL reference (the policy engine with
     its adapters disabled) equals a frozen base copy bitwise and the adapters are on again after it; greedy hf and

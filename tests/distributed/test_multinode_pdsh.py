@@ -36,11 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import EXTENDED, REPO
 from pdsh_cluster import HOSTS, UNREACHABLE_HOST, Cluster, free_port_on_hosts, pdsh_cluster
 
 from dsrl.cli import launch_env
 from dsrl.cli.launch_env import LaunchEnvError
+
+pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 TRAIN = REPO / "launch" / "train.py"
 MAIN_CONFIG = REPO / "configs" / "tiny_grpo_cpu.json"
@@ -66,8 +68,6 @@ else:
 
     ensure_distributed()
 import torch.distributed as dist
-
-pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "DS_ACCELERATOR", "DSRL_LOG_LEVEL",
         "DSRL_NOT_FORWARDED", "SSH_CONNECTION", "OMP_NUM_THREADS"]

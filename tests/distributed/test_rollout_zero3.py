@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, launch
+from conftest import EXTENDED, REPO, launch
 
 
 # cb under the dense mask (its default on this tiny model) runs under ZeRO-3 in tests/distributed/test_learning.py;
 # the parameter gather is the same for both attentions.
-@pytest.mark.parametrize("backend,cb_attention", [("hf", "auto"), ("cb", "varlen")])
+@pytest.mark.parametrize("backend,cb_attention", [("hf", "auto"), pytest.param("cb", "varlen", marks=EXTENDED)])
 def test_zero3_uneven_generation_matches_plain_module(tmp_path, backend, cb_attention):
     """2 ranks under ZeRO-3: rank 0 generates 3 prompts x 3 samples (12 tokens max), rank 1 one prompt
     (5 tokens max), then rank 1 none at all; no hang, every generation equals the plain module's,
