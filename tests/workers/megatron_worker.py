@@ -69,22 +69,10 @@ def _expect_error(fn: Any) -> str:
 
 
 def run_equivalence(rec: Recorder, layout: str, counts: list[int], seed: int) -> None:
-    """Both conventions x all four modes; counts[r] micro-batches on data-parallel replica r."""
-    from megatron.core import parallel_state as ps
-
-    replicas = mc.make_replicas(seed, counts)
-    all_micros = [mb for rep in replicas for mb in rep]
-    mine = replicas[ps.get_data_parallel_rank()]
-    bsz = sum(mb["loss_mask"].shape[0] for mb in all_micros)
-    for conv in CONVENTIONS:
-        ddp, opt, sched = mc.build_parallel(conv == "per_token")
-        step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz,
-                              loss_agg_norm_length=mc.NORM_LENGTH)
-        for mode in LOSS_AGG_MODES:
-            step.loss_agg = mode
-            params = mc.gather_full(ddp, "param")
-            res = step.train_step(mine, mc.gpt_forward, mc.ppo_loss)
-            rec.add(layout, conv, mode, params, mc.gather_full(ddp, "grad"), all_micros, result=res)
+    """Both conventions x all four modes; counts[r] micro-batches on data-parallel replica r; the scheduler's
+    position and the optimizer steps of each convention's step recorded."""
+    steps = _train_every_mode(rec, layout, counts, seed, mc.gpt_forward, mc.ppo_loss, CONVENTIONS, LOSS_AGG_MODES)
+    for conv, step in steps.items():
         rec.checks[f"{layout}/{conv}/scheduler_position"] = step.driver.position
         rec.checks[f"{layout}/{conv}/optimizer_steps"] = step.optimizer_steps
 
@@ -97,13 +85,23 @@ def run_fused(rec: Recorder, layout: str, counts: list[int], seed: int, *, vocab
     ``vocab_parallel=False`` is the planted bug (each rank's slice taken for the whole vocabulary)."""
     import functools
 
+    forward = functools.partial(mc.gpt_fused_forward, vocab_parallel=vocab_parallel)
+    _train_every_mode(rec, layout, counts, seed, forward, mc.fused_ppo_loss, conventions, modes, expect=expect,
+                      fused=True)
+
+
+def _train_every_mode(rec: Recorder, layout: str, counts: list[int], seed: int, forward, loss,
+                      conventions: tuple[str, ...], modes: tuple[str, ...], **add_options) -> dict[str, Any]:
+    """For each convention a fresh model and MegatronRLStep, one step per loss mode on this replica's
+    micro-batches (counts[r] on replica r), each recorded against the whole mini-batch; returns each convention's
+    step."""
     from megatron.core import parallel_state as ps
 
     replicas = mc.make_replicas(seed, counts)
     all_micros = [mb for rep in replicas for mb in rep]
     mine = replicas[ps.get_data_parallel_rank()]
     bsz = sum(mb["loss_mask"].shape[0] for mb in all_micros)
-    forward = functools.partial(mc.gpt_fused_forward, vocab_parallel=vocab_parallel)
+    steps = {}
     for conv in conventions:
         ddp, opt, sched = mc.build_parallel(conv == "per_token")
         step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz,
@@ -111,9 +109,10 @@ def run_fused(rec: Recorder, layout: str, counts: list[int], seed: int, *, vocab
         for mode in modes:
             step.loss_agg = mode
             params = mc.gather_full(ddp, "param")
-            res = step.train_step(mine, forward, mc.fused_ppo_loss)
-            rec.add(layout, conv, mode, params, mc.gather_full(ddp, "grad"), all_micros, expect=expect, result=res,
-                    fused=True)
+            res = step.train_step(mine, forward, loss)
+            rec.add(layout, conv, mode, params, mc.gather_full(ddp, "grad"), all_micros, result=res, **add_options)
+        steps[conv] = step
+    return steps
 
 
 def run_dp_extras(rec: Recorder) -> None:
