@@ -45,8 +45,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tier = config.getoption("--tier")
     if tier == "all":
         return
-    keep = [i for i in items if (i.get_closest_marker("extended") is not None) == (tier == "extended")]
-    dropped = [i for i in items if i not in keep]
+    keep, dropped = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("extended") is not None) == (tier == "extended") else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
