@@ -140,7 +140,8 @@ class DsrlWatcher:
             else:
                 self.profiler.enter("train")
         if name == "train" and rollout == 0:
-            self.out.data["census"] = memory_census(self.model, self.trainer.rl.engine.optimizer, self.w.device)
+            optimizer = self.trainer.parts.actor.engine.engine.optimizer
+            self.out.data["census"] = memory_census(self.model, optimizer, self.w.device)
             self.out.write()
 
 
@@ -157,13 +158,13 @@ def run_dsrl(w: Workload, out: WorkerOutput, run_dir: str) -> None:
     dsrl.rl.policy.model.build_model = lambda *a, **k: model
     if w.backend == "vllm":
         serve_biased_head(model)
-    trainer = Trainer(dsrl_run_file(w, run_dir))
-    backend = trainer.backend
+    trainer = Trainer.from_config(dsrl_run_file(w, run_dir))
+    backend = trainer.parts.backend
     if isinstance(backend, AutoRolloutBackend):  # what "auto" runs on this workload (one call per rollout)
-        picked = backend.choose(trainer.plan.prompts_per_rank, w.samples_per_prompt)
+        picked = backend.choose(trainer.parts.plan.prompts_per_rank, w.samples_per_prompt)
         out.data["auto_picks"] = "cb" if picked is backend.cb else "hf"
         out.write()
-    trainer.phases.add_listener(DsrlWatcher(w, model, trainer, out))
+    trainer.parts.phases.add_listener(DsrlWatcher(w, model, trainer, out))
     trainer.run()
 
 

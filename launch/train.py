@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if role is not None and role.kind == GENERATOR:
             from dsrl.rl.disagg.generator import GeneratorWorker
 
-            _leave(GeneratorWorker(cfg, role).run())
-        trainer = Trainer(cfg, resume=args.resume, role=role)
+            _leave(GeneratorWorker.start(cfg, role).run())
+        trainer = Trainer.from_config(cfg, resume=args.resume, role=role)
         trainer.run()
     except ConfigError as e:
         printer = _prints_config_error(e, quiet, role)
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsrl: interrupted ({e or 'SIGINT'})", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     if role is not None:  # a disaggregated job: receives still posted to gone peers must not block the exit
-        _leave(trainer.stop.exit_code)
-    return trainer.stop.exit_code
+        _leave(trainer.parts.stop.exit_code)
+    return trainer.parts.stop.exit_code
 
 
 def _prints_config_error(e: ConfigError, quiet: bool, role: object) -> bool:

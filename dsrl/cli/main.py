@@ -83,7 +83,7 @@ def _expert_layout(cfg: Config, on_gpu: bool) -> dict[str, Any]:
     from dsrl.backends.deepspeed.autoep import expert_parallel_size
     from dsrl.rl.policy.moe import check_moe_run
 
-    layout = check_moe_run(cfg, on_gpu)
+    layout = check_moe_run(cfg.dsrl.model, cfg.dsrl.rollout, on_gpu)
     if layout is None:
         return {}
     ep = expert_parallel_size(cfg.ds_config)

@@ -10,8 +10,9 @@ once at its end). A plain ``torch.nn.Module`` needs no scope: it has no wrapper.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -43,3 +44,13 @@ class PolicyForwards(Protocol):
         """For the block: forwards run without the wrapper's per-forward hooks (no timers, no device
         synchronization); a sharded wrapper still gathers its parameters per forward, so every rank of its group
         runs the same number of forwards."""
+
+
+@runtime_checkable
+class NoGradPasses(Protocol):
+    """A model as a no-grad pass runs it (the policy's engine, a frozen KL reference, the policy with its LoRA
+    adapters disabled): ``forward_no_grad(micro_batches, fn)`` returns ``[fn(model, micro) for micro in
+    micro_batches]`` without gradients, every rank of a sharded model running the same number of forwards."""
+
+    def forward_no_grad(self, micro_batches: Sequence[Any], fn: Callable[[Any, Any], Any]) -> list[Any]:
+        """The pass's outputs, one per micro-batch, in order."""

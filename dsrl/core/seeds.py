@@ -11,3 +11,11 @@ def derived_seed(*parts: int) -> int:
     for p in parts:
         h = (h ^ (int(p) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & 0x7FFFFFFFFFFFFFFF
     return h
+
+
+def generation_seed(run_seed: int, rollout: int, sampling_round: int, replica: int) -> int:
+    """The seed of one generation call: data-parallel replica ``replica``'s prompts of sampling round
+    ``sampling_round`` (dynamic sampling draws more rounds) of rollout ``rollout`` (0-based). A colocated replica and
+    the generator rank serving it make the same call with the same seed, so a resumed run regenerates the same
+    completions."""
+    return derived_seed(run_seed, rollout, sampling_round, replica)

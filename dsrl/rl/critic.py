@@ -33,17 +33,20 @@ import copy
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dsrl.algos.losses import clipped_value_loss
-from dsrl.backends.deepspeed.engine import EngineSpec, initialize, prepare
+from dsrl.backends.deepspeed.engine import EngineSpec, RLEngine, initialize, prepare
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.config.names import TOKEN_MEAN
-from dsrl.rl.data.batching import Sample, completion_values
+from dsrl.rl.data.batching import PassBatches
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, critic_record
 from dsrl.runtime.phases import PhaseClock
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # ds_config sections that write files: the critic's engine leaves them to the policy's (dsrl logs the
 # critic's metrics through the policy engine's monitor, with a "critic_" prefix).
@@ -139,16 +142,18 @@ class Critic:
 
     present = True
 
-    def __init__(self, rl: Any, value_clip: float | None):
+    def __init__(self, rl: RLEngine, value_clip: float | None, phases: PhaseClock | None = None):
         self.rl = rl
         self.value_clip = value_clip
-        self.results: list[Any] = []  # this rollout's step results
+        self.phases = phases or PhaseClock()  # times the values pass as the ``critic_values`` phase
+        self.results: list[dict[str, Any]] = []  # this rollout's step results
 
     @classmethod
-    def build(cls, spec: EngineSpec, tokenizer: Any, seed: int) -> Critic:
+    def build(cls, spec: EngineSpec, tokenizer: PreTrainedTokenizerBase, seed: int,
+              phases: PhaseClock | None = None) -> Critic:
         """The critic's engine from its :func:`prepare_critic` spec, the value model seeded like the policy."""
         model = build_value_model(spec.config, tokenizer, spec.on_gpu, seed=seed)
-        return cls(initialize(model, spec), spec.config.dsrl.critic.value_clip)
+        return cls(initialize(model, spec), spec.config.dsrl.critic.value_clip, phases)
 
     def values(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """The rollout's values per micro-batch (``[b, t]``, on the device), before any update; every rank runs
@@ -161,13 +166,13 @@ class Critic:
         loss, m = clipped_value_loss(values, micro["old_values"], micro["returns"], self.value_clip)
         return loss, {"vf_clip_frac": m["vf_clip_frac"], "value": values.detach(), "return": micro["returns"]}
 
-    def add_values(self, samples: Sequence[Sample], groups: Sequence[Sequence[Sample]],
-                   micro_batches: Sequence[dict[str, torch.Tensor]], phases: PhaseClock) -> None:
-        """Each sample's ``values``: V(s_t) at its completion tokens, from the micro-batch ``micro_batches[i]`` that
-        collates ``groups[i]`` (``samples``: the groups' samples in order), once per rollout, before any update,
+    def add_values(self, batches: PassBatches) -> None:
+        """Each sample's ``values``: V(s_t) at its completion tokens, from the no-grad micro-batches the policy's
+        log-probs were computed on (:class:`dsrl.rl.data.batching.PassBatches`), once per rollout, before any update,
         timed as the ``critic_values`` phase (one device-to-host copy for the pass)."""
-        with phases.phase("critic_values"):
-            for s, values in zip(samples, completion_values(groups, self.values(micro_batches))):
+        samples = [s for g in batches.groups for s in g]
+        with self.phases.phase("critic_values"):
+            for s, values in zip(samples, batches.per_sample(self.values(batches.micros))):
                 s.values = values
 
     def begin_rollout(self) -> None:
@@ -202,8 +207,7 @@ class NoCritic:
     present = False
     results: tuple[Any, ...] = ()
 
-    def add_values(self, samples: Sequence[Sample], groups: Sequence[Sequence[Sample]],
-                   micro_batches: Sequence[dict[str, torch.Tensor]], phases: PhaseClock) -> None:
+    def add_values(self, batches: PassBatches) -> None:
         return None
 
     def begin_rollout(self) -> None:
@@ -225,6 +229,7 @@ class NoCritic:
 NO_CRITIC = NoCritic()
 
 
-def build_critic(spec: EngineSpec | None, tokenizer: Any, seed: int) -> Critic | NoCritic:
+def build_critic(spec: EngineSpec | None, tokenizer: PreTrainedTokenizerBase, seed: int,
+                 phases: PhaseClock | None = None) -> Critic | NoCritic:
     """The run's critic from :func:`prepare_critic`'s spec, or :data:`NO_CRITIC` when it gave none."""
-    return NO_CRITIC if spec is None else Critic.build(spec, tokenizer, seed)
+    return NO_CRITIC if spec is None else Critic.build(spec, tokenizer, seed, phases)

@@ -14,24 +14,23 @@ Invariants kept by :class:`ExperienceMaker`:
   token to any count); dynamic sampling (DAPO) refills zero-variance groups with one MAX all-reduce
   per round, and every rank runs the same number of rounds (under ZeRO-3 each round is a collective
   parameter gather);
-- a learned reward model (``data.reward_model``) scores every rank's completions before the tensor
-  peers adopt their source's samples; under ZeRO-3 every rank runs the same number of its forwards
-  (:mod:`dsrl.rl.rewards.model`), whatever number of prompts it drew;
-- old (and reference) log-probs -- and with a critic the old values -- are computed once per rollout,
-  before any update, with the same number of forwards on every rank; with ``kl_in = "reward"`` the
-  summed k1 KL is subtracted from the reward there (with a critic: ``-kl_coef * k1`` on every token
-  of the GAE rewards instead); advantages come last: group advantages from the penalised rewards, or
-  GAE per token from the critic's values, whitened over the whole rollout's valid tokens.
+- rewards come from the one reward formula (:class:`dsrl.rl.rewards.scoring.Scorer`), for single completions and
+  multi-turn trajectories alike; a learned reward model (``data.reward_model``) scores every rank's completions
+  before the tensor peers adopt their source's samples; under ZeRO-3 every rank runs the same number of its
+  forwards (:mod:`dsrl.rl.rewards.model`), whatever number of prompts it drew;
+- old (and reference) log-probs come from the policy actor (:meth:`dsrl.rl.policy.actor.PolicyActor.add_logprobs`)
+  and, with a critic, the old values from the critic, once per rollout, before any update, on micro-batches
+  collated once for both, with the same number of forwards on every rank; with ``kl_in = "reward"`` the summed k1
+  KL is subtracted from the reward there (with a critic: ``-kl_coef * k1`` on every token of the GAE rewards
+  instead); advantages come last: group advantages from the penalised rewards, or GAE per token from the critic's
+  values, whitened over the whole rollout's valid tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -43,27 +42,18 @@ from dsrl.algos.losses import kl_estimate
 from dsrl.config import AlgorithmConfig, DataConfig, DsrlConfig, RolloutConfig
 from dsrl.core.collectives import all_reduce_floats
 from dsrl.core.plan import BatchPlan
-from dsrl.core.seeds import derived_seed
+from dsrl.core.seeds import generation_seed
 from dsrl.rl.critic import NO_CRITIC, Critic, NoCritic
-from dsrl.rl.data.batching import Sample, chunks, collate, completion_positions, completion_values
+from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import is_source, share_with_tensor_peers
-from dsrl.rl.episodes.driver import EpisodeRunner, score_trajectories
-from dsrl.rl.episodes.environment import ObservationEncoder
-from dsrl.rl.episodes.trajectory import model_mask
-from dsrl.rl.policy.logprobs import forward_logprobs
+from dsrl.rl.episodes.driver import EpisodeRunner
+from dsrl.rl.policy.actor import PolicyActor
+from dsrl.rl.rewards.scoring import Scorer
 from dsrl.rl.rollout_stats import RolloutStats
 from dsrl.rollout.base import RolloutBackend
 from dsrl.runtime.phases import PhaseClock
-
-
-class _NoWatch:
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        yield
-
-
-_NO_WATCH = _NoWatch()
+from dsrl.runtime.watchdog import NO_WATCH, PhaseWatch
 
 
 @dataclass(frozen=True)
@@ -82,118 +72,56 @@ class ExperienceSettings:
         return cls(d.algorithm, d.rollout, d.data, d.run.seed, d.max_completion_tokens)
 
 
-@dataclass
-class Rewards:
-    """What scores a rollout's completions: the rule reward (a task's or ``data.reward_fn``, already guarded by
-    :mod:`dsrl.rl.rewards.contract`), the accuracy metric, a learned reward model, and an environment (its episodes'
-    rewards, :mod:`dsrl.rl.episodes.environment`); each may be None."""
-
-    reward_fn: Callable[..., list[float]] | None = None
-    accuracy_fn: Callable[..., list[Any]] | None = None
-    model: Any = None  # dsrl.rl.rewards.model.RewardModel
-    environment: Any = None  # dsrl.rl.episodes.environment.EnvironmentCaller: samples are multi-turn trajectories
-
-
 class ExperienceMaker:
     """Generates, scores and prepares this rank's samples of each rollout (module docstring).
 
-    ``settings`` (:class:`ExperienceSettings`, kept as ``d``) are the run file's parts it reads. Collaborators,
-    each used for what its name says: ``policy`` (the RLEngine: its parallel view, device and no-grad forwards for
-    the old log-probs), ``backend`` (generation), ``prompts`` (the prompt stream and its encoding), ``rewards``,
-    ``algo`` (the resolved algorithm), and optionally ``ref_model`` (KL reference), ``critic``
-    (:class:`dsrl.rl.critic.Critic`, or :data:`dsrl.rl.critic.NO_CRITIC`), ``watch`` (bounded phase ends) and
-    ``phases`` (the :class:`dsrl.runtime.phases.PhaseClock` that times generation, rewards and the no-grad passes).
-    With an environment in ``rewards``, each sampling round is one of multi-turn trajectories, run by an
-    :class:`dsrl.rl.episodes.driver.EpisodeRunner` built here from these collaborators."""
+    ``settings`` (:class:`ExperienceSettings`, kept as ``d``) are the run file's parts it reads. Collaborators, each
+    used for what its name says: ``actor`` (:class:`dsrl.rl.policy.actor.PolicyActor`: the parallel view, the device,
+    the old and reference log-probs), ``backend`` (generation), ``prompts`` (the prompt stream and its encoding),
+    ``scorer`` (:class:`dsrl.rl.rewards.scoring.Scorer`: the reward formula), ``algo`` (the resolved algorithm),
+    ``pad_id`` (the tokenizer's), and optionally ``critic`` (:class:`dsrl.rl.critic.Critic`, or
+    :data:`dsrl.rl.critic.NO_CRITIC`), ``episodes`` (an :class:`dsrl.rl.episodes.driver.EpisodeRunner`: each sampling
+    round is then one of multi-turn trajectories), ``watch`` (bounded phase ends) and ``phases`` (the
+    :class:`dsrl.runtime.phases.PhaseClock` that times generation and rewards)."""
 
-    moe: Any = None  # dsrl.rl.policy.moe.PolicyRouting of a mixture-of-experts policy, else None
-    route_mismatch: Any = None  # the last score_logprobs' RouteMismatch (MoE)
-
-    def __init__(self, settings: ExperienceSettings, plan: BatchPlan, policy: Any, backend: RolloutBackend,
-                 tokenizer: Any, prompts: PromptSource, rewards: Rewards, algo: algos.ResolvedAlgorithm, *,
-                 ref_model: Any = None, critic: Critic | NoCritic = NO_CRITIC, watch: Any = None,
-                 phases: PhaseClock | None = None, moe: Any = None):
-        self.d, self.plan, self.policy, self.backend = settings, plan, policy, backend
-        self.tokenizer, self.prompts, self.rewards, self.algo = tokenizer, prompts, rewards, algo
-        self.ref_model, self.critic, self.watch = ref_model, critic, watch or _NO_WATCH
+    def __init__(self, settings: ExperienceSettings, plan: BatchPlan, actor: PolicyActor, backend: RolloutBackend,
+                 prompts: PromptSource, scorer: Scorer, algo: algos.ResolvedAlgorithm, pad_id: int, *,
+                 critic: Critic | NoCritic = NO_CRITIC, episodes: EpisodeRunner | None = None,
+                 watch: PhaseWatch = NO_WATCH, phases: PhaseClock | None = None):
+        self.d, self.plan, self.actor, self.backend = settings, plan, actor, backend
+        self.prompts, self.scorer, self.algo, self.pad_id = prompts, scorer, algo, pad_id
+        self.critic, self.episodes, self.watch = critic, episodes, watch
         self.phases = phases or PhaseClock()
-        self.moe = moe
-        self.view = policy.view
+        self.view = actor.view
         self.replica = self.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
-        self.pad_id = tokenizer.pad_token_id
-        self._rm_fillers = 0
         self.version = 0  # the policy version of the weights generating now (colocated: the rollout index)
-        self.episodes: EpisodeRunner | None = None  # multi-turn rollouts (dsrl.rl.episodes.driver)
-        if rewards is not None and rewards.environment is not None:
-            self.episodes = EpisodeRunner(
-                backend, tokenizer, rewards.environment, ObservationEncoder(tokenizer, settings.data.chat_template),
-                settings.rollout.max_turns, settings.rollout.max_trajectory_tokens, self.view, policy.device,
-                self.watch, self.phases)
 
     @property
-    def device(self) -> Any:
-        return self.policy.device
+    def device(self) -> torch.device:
+        return self.actor.device
 
     # -- prompts and generation -------------------------------------------------------------------
     def _draw(self) -> list[int]:
         """The next P prompt indices (same on every rank) cut to this replica's slice."""
-        idx = self.prompts.next_indices()
-        per = self.plan.prompts_per_rank
-        return idx[self.replica * per:(self.replica + 1) * per]
+        return self.prompts.next_share(self.replica, self.plan.prompts_per_rank)
 
     def _generate_groups(self, indices: list[int], seed: int) -> list[list[Sample]]:
         records, prompt_ids = self.prompts.encode(indices)
+        scorer = self.scorer
         if self.episodes is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes.driver)
             trajs = self.episodes.run(records, prompt_ids, self.plan.samples_per_prompt, seed, labels=indices)
             with self.watch.phase("reward"), self.phases.phase("reward"):
-                scores = self._model_scores([t.tokens for t in trajs])
-                r = self.rewards
-                return share_with_tensor_peers(self.view, lambda: score_trajectories(
-                    indices, records, trajs, reward_fn=r.reward_fn, accuracy_fn=r.accuracy_fn, data=self.d.data,
-                    version=self.version, model_scores=scores))
+                scores = scorer.model_scores([t.tokens for t in trajs])
+                return share_with_tensor_peers(self.view, lambda: scorer.trajectories(
+                    indices, records, trajs, version=self.version, model_scores=scores))
         with self.watch.phase("generation"), self.phases.phase("generate"):
             # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
             completions = self.backend.generate(prompt_ids, self.plan.samples_per_prompt, seed=seed)
         with self.watch.phase("reward"), self.phases.phase("reward"):
-            scores = self._model_scores([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
+            scores = scorer.model_scores([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
             # Tensor peers adopt their source's scored samples (dsrl.rl.data.replica rule 2).
-            return share_with_tensor_peers(self.view, lambda: self._score(indices, records, completions, scores))
-
-    def _model_scores(self, sequences: list[list[int]]) -> list[float] | None:
-        """The learned reward model's scores of ``sequences`` (None without one), on every rank: a sharded reward
-        model's forwards are collective; its filler forwards are counted for the rollout's statistics."""
-        model = self.rewards.model
-        if model is None:
-            return None
-        before = model.filler_forwards
-        scores = model.score(sequences)
-        self._rm_fillers += model.filler_forwards - before
-        return scores
-
-    def _score(self, indices: list[int], records: list[dict], completions: list,
-               model_scores: list[float] | None = None) -> list[list[Sample]]:
-        """Rewards (and accuracies) of one round's completions, as one group of samples per prompt:
-        ``rule_reward_weight * rule reward + reward_model_weight * reward-model score`` (each when present)."""
-        data, r = self.d.data, self.rewards
-        if not completions:
-            return []
-        texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
-        prompts_rep = [records[c.prompt_index]["prompt"] for c in completions]
-        answers_rep = [records[c.prompt_index].get("answer") for c in completions]
-        rewards = [0.0] * len(completions)
-        if r.reward_fn is not None:
-            rewards = [data.rule_reward_weight * float(x) for x in r.reward_fn(prompts_rep, texts, answers_rep)]
-        if model_scores is not None:
-            rewards = [x + data.reward_model_weight * m for x, m in zip(rewards, model_scores)]
-        accs = r.accuracy_fn(prompts_rep, texts, answers_rep) if r.accuracy_fn else [None] * len(texts)
-        groups: list[list[Sample]] = [[] for _ in indices]
-        for c, reward, acc in zip(completions, rewards, accs):
-            groups[c.prompt_index].append(Sample(
-                tokens=list(c.prompt_ids) + list(c.completion_ids), prompt_len=len(c.prompt_ids),
-                group=indices[c.prompt_index], reward=reward, finished=bool(c.finished), accuracy=acc,
-                behavior_logprobs=c.behavior_logprobs,
-                version=self.version if c.version is None else c.version, routes=c.routes))
-        return groups
+            return share_with_tensor_peers(self.view, lambda: scorer.completions(
+                indices, records, completions, version=self.version, model_scores=scores))
 
     def _shape_rewards(self, samples: list[Sample]) -> None:
         """DAPO overlong shaping and filtering; non-finite rewards mask their sample."""
@@ -215,15 +143,13 @@ class ExperienceMaker:
         per = len(mine)
         rounds, kept, spare = 0, [], []
         stats = RolloutStats()
-        self._rm_fillers = 0
+        self.scorer.take_counts()  # counted from here: this rollout's reward calls and reward-model forwards
         dynamic = self.algo.dynamic_sampling
+        counted = float(is_source(self.view))  # statistics count each replica's data once
         take = mine
         while True:
-            seed = derived_seed(self.d.seed, rollout_index, rounds, self.replica)
-            groups = self._generate_groups(take, seed)
+            groups = self._generate_groups(take, generation_seed(self.d.seed, rollout_index, rounds, self.replica))
             rounds += 1
-            counted = float(is_source(self.view))  # statistics count each replica's data once
-            stats.reward_timeouts += counted * getattr(self.rewards.reward_fn, "take_timeouts", int)()
             for g in groups:
                 self._shape_rewards(g)
                 flat = bool(algos.zero_variance_groups(masked_rewards(g), len(g))[0])
@@ -238,103 +164,12 @@ class ExperienceMaker:
                 break
             take = self._draw()[:max(need, 0)]
         kept = (kept + spare)[:per]  # after the last round, zero-variance groups fill any gap
-        stats.reward_model_fillers = float(self._rm_fillers)
+        timeouts, fillers = self.scorer.take_counts()
+        stats.reward_timeouts = counted * timeouts
+        stats.reward_model_fillers = float(fillers)
         return [s for g in kept for s in g], stats, rounds
 
-    # -- log-probs and advantages -----------------------------------------------------------------
-    def _logprob_fn(self):
-        """``fn(model, micro)``: log pi(target) ``[b, t]`` on the device, computed at the micro-batch's completion
-        positions only (zeros elsewhere): the output head fused into a tiled log-softmax,
-        :func:`dsrl.rl.policy.logprobs.forward_logprobs`."""
-        temp = self.d.rollout.temperature
-
-        def fn(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-            return forward_logprobs(model, micro, temperature=temp).logprobs  # [b, t], stays on the device
-
-        return fn
-
-    def score_logprobs(self, samples: list[Sample]) -> None:
-        """Old (and reference) log-probs of every local sample, once per rollout, before any update;
-        with ``kl_in = "reward"`` the reward is penalised by the summed k1 KL here. Each pass's results stay on
-        the device until the pass ends, then leave it in one copy (:func:`completion_values`)."""
-        groups = chunks(samples, self.d.rollout.logprob_micro_batch_size)
-        micros = [collate(g, self.pad_id, self.device, with_logprobs=False) for g in groups]
-        fn = self._logprob_fn()
-        with self.phases.phase("old_logprobs"):
-            outs = (self.policy.forward_no_grad(micros, fn) if self.moe is None
-                    else self._moe_logprobs(groups, micros, fn))
-            for s, values in zip(samples, completion_values(groups, outs)):
-                s.old_logprobs = values
-        self.critic.add_values(samples, groups, micros, self.phases)  # V(s_t) per completion token (with a critic)
-        if self.ref_model is None:
-            return
-        with torch.no_grad(), self.phases.phase("ref_logprobs"):
-            # The reference (a frozen copy, or the policy with its LoRA adapters disabled) pads its forwards itself.
-            if self.moe is not None and self.moe.replay:  # the rollout's routes in the reference's forwards too
-                fn = self.moe.forcing(fn, self.moe.ref_routing)
-            try:
-                refs = self.ref_model.forward_no_grad(micros, fn)
-            finally:
-                if self.moe is not None:
-                    self.moe.release()
-            for s, values in zip(samples, completion_values(groups, refs)):
-                s.ref_logprobs = values
-        if self.d.algorithm.kl_in == "reward" and not self.critic.present:  # with a critic: per token, in GAE
-            coef = self.d.algorithm.kl_coef
-            for s in samples:  # over the model's tokens only (a trajectory's observations are not the policy's)
-                kl = kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs), "k1")
-                s.reward -= coef * float((kl * torch.tensor(model_mask(s), dtype=kl.dtype)).sum())
-
-    def _moe_logprobs(self, groups: list[list[Sample]], micros: list[dict], fn: Callable) -> list[torch.Tensor]:
-        """The old log-probs of an MoE policy (module docstring of :mod:`dsrl.rl.policy.moe`): a forward with the
-        trainer's own routes (recorded), and when the backend returns routes one with the rollout's replayed;
-        the setting picks which one the samples keep. Both are compared with the behavior log-probs, and the own
-        routes with the rollout's (``self.route_mismatch``). Samples keep routes only where training needs them."""
-        from dsrl.core.routes import ROUTE_DTYPE
-        from dsrl.rl.policy.moe import RouteMismatch
-
-        moe, lay = self.moe, self.moe.layout
-        with_routes = self.backend.returns_routes()  # the same on every rank: both passes are collective
-        for g in groups:
-            for s in g:
-                self._check_routes(s, with_routes)
-        own, calls = moe.recorded(lambda: self.policy.forward_no_grad(micros, fn))
-        replayed = None
-        if with_routes:
-            try:
-                replayed = self.policy.forward_no_grad(micros, moe.forcing(fn))
-            finally:
-                moe.release()
-        own_cpu, replayed_cpu = _on_host(own), _on_host(replayed) if replayed is not None else None
-        mm = RouteMismatch()
-        counted_here = is_source(self.view)
-        for i, (g, mb) in enumerate(zip(groups, micros)):
-            b, t = mb["input_ids"].shape
-            per_row = calls[i].reshape(b, t, lay.layers, lay.top_k)
-            for row, (s, sl) in enumerate(zip(g, completion_positions(g))):
-                n = len(s.tokens) - 1
-                if counted_here:
-                    moe.compare(s.routes, per_row[row, :n], mm)
-                    _add_abs_diff(mm, s, own_cpu[i][row, sl], replayed_cpu[i][row, sl] if replayed_cpu else None)
-                if not moe.keep_routes:
-                    s.routes = None
-                elif s.routes is None:  # the load f counts the trainer's own routes
-                    s.routes = per_row[row, :n].to(ROUTE_DTYPE).clone()
-        self.route_mismatch = mm
-        return replayed if (moe.replay and replayed is not None) else own
-
-    def _check_routes(self, s: Sample, with_routes: bool) -> None:
-        """A sample's rollout routes fit the policy; under replay every sample has them."""
-        if s.routes is not None:
-            self.moe.check_sample_routes(s.routes, len(s.tokens) - 1, f"a sample of prompt {s.group}")
-        elif with_routes and self.moe.replay:
-            from dsrl.core.errors import RunError
-
-            raise RunError(f"a sample of prompt {s.group} reached the trainer without routes while "
-                           "dsrl.model.routing_replay = 'rollout' (its generator recorded none: a generator started "
-                           "with other settings, or samples from before a resume). Fix: restart the generators "
-                           "with this run file, or set routing_replay = 'off'.")
-
+    # -- off-policy correction and advantages ------------------------------------------------------
     def correct_off_policy(self, samples: list[Sample], stats: RolloutStats) -> None:
         """The off-policy correction of each sample from its proximal (old) and behavior log-probs
         (:mod:`dsrl.algos.correction`): tis weights, or mis removals from the tokens the loss counts; the
@@ -374,10 +209,10 @@ class ExperienceMaker:
         a = self.d.algorithm
         lengths = [len(s.values) if s.active else 0 for s in samples]
         penalties = None
-        if self.ref_model is not None and a.kl_in == "reward":
+        if self.actor.has_reference and a.kl_in == "reward":
             penalties = [(-a.kl_coef * kl_estimate(torch.tensor(s.old_logprobs), torch.tensor(s.ref_logprobs),
                                                    "k1")).tolist() for s in samples]
-        models = [model_mask(s) for s in samples]
+        models = [s.model_mask for s in samples]
         ends = [max((t for t, m in enumerate(mm[:n]) if m), default=n - 1) for mm, n in zip(models, lengths)]
         rewards = algos.token_rewards([s.reward if s.active else 0.0 for s in samples], lengths, penalties, ends)
         values = torch.zeros_like(rewards)
@@ -412,9 +247,12 @@ class ExperienceMaker:
         timing = self.backend.take_timing()
         stats.wait_s, stats.publish_s = timing.get("wait_s", 0.0), timing.get("publish_s", 0.0)
         stats.generator_s, stats.generator_idle_s = timing.get("generation_s", 0.0), timing.get("idle_s", 0.0)
-        self.score_logprobs(samples)
-        if self.moe is not None and self.route_mismatch is not None:
-            stats.add_route_mismatch(self.route_mismatch)
+        batches = self.actor.pass_batches(samples, self.pad_id)  # collated once for every no-grad pass
+        mismatch = self.actor.add_logprobs(batches, with_routes=self.backend.returns_routes(),
+                                           kl_in_reward=not self.critic.present)  # with a critic: KL per token
+        if mismatch is not None:
+            stats.add_route_mismatch(mismatch)
+        self.critic.add_values(batches)  # V(s_t) per completion token (with a critic)
         self.correct_off_policy(samples, stats)
         if self.critic.present:  # per token by GAE from its values, else per group from the rewards
             self.gae_advantages(samples)
@@ -425,28 +263,6 @@ class ExperienceMaker:
             stats.add_staleness(samples, trainer_version=rollout_index)
         stats.rollout_s = time.perf_counter() - t0
         return samples, stats, rounds
-
-
-def _on_host(outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A pass's outputs on the host with one device-to-host copy (ARCHITECTURE §4)."""
-    if not outs:
-        return []
-    flat = torch.cat([o.reshape(-1) for o in outs]).cpu()
-    return [part.view(o.shape) for part, o in zip(flat.split([o.numel() for o in outs]), outs)]
-
-
-def _add_abs_diff(mm: Any, s: Sample, own: torch.Tensor, replayed: torch.Tensor | None) -> None:
-    """|log pi - log mu| over a sample's counted model tokens, recomputed with the trainer's own routes and (when
-    present) with the rollout's replayed."""
-    if s.behavior_logprobs is None or not s.active:
-        return
-    mu = torch.tensor(s.behavior_logprobs, dtype=torch.float64)
-    keep = torch.tensor(model_mask(s), dtype=torch.bool)[: mu.shape[0]]
-    mm.tokens += int(keep.sum())
-    mm.own_abs_diff += float((own.double()[: mu.shape[0]] - mu).abs()[keep].sum())
-    if replayed is not None:
-        mm.replayed_tokens += int(keep.sum())
-        mm.replayed_abs_diff += float((replayed.double()[: mu.shape[0]] - mu).abs()[keep].sum())
 
 
 def masked_rewards(samples: list[Sample]) -> torch.Tensor:

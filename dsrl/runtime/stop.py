@@ -32,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dsrl.core import collectives
+from dsrl.runtime.peers import Peers
+from dsrl.runtime.peers import current as current_peers
 
 log = logging.getLogger("dsrl.runtime.stop")
 _LAUNCHER_WORDS = ("deepspeed.launcher", "torch.distributed.run", "torch.distributed.launch", "torchrun")
@@ -83,29 +85,44 @@ def _gone(pid: int, started: float) -> bool:
 class StopControl:
     """One per process: records stop requests and turns them into one decision shared by every rank."""
 
-    def __init__(self, grace_s: float, poll_s: float = 1.0, before_exit: Callable[[], None] | None = None):
+    def __init__(self, grace_s: float, poll_s: float = 1.0, before_exit: Callable[[], None] | None = None,
+                 peers: Callable[[], Peers | None] = current_peers):
         """``before_exit`` runs when the grace period expires, just before the process exits (the trainer
-        passes the output lock's release, so a forced exit leaves no stale lock behind)."""
+        passes the output lock's release, so a forced exit leaves no stale lock behind). ``peers`` gives the job's
+        :class:`dsrl.runtime.peers.Peers` once they exist (None before: during start-up), asked when a request
+        arrives: the launcher SIGTERMs every rank as soon as one ended, and the request then names it."""
         self.grace_s = float(grace_s)
         self.before_exit = before_exit
         self.poll_s = poll_s
+        self.peers = peers
         self.requested_at: float | None = None
         self.reason: str | None = None
         self.signum = 0
-        self.training = False
+        self.training = False  # set by begin_training(): a request no longer aborts, it stops at a boundary
         self.decision: str | None = None  # None until a request was agreed: "finish" or "stop"
         self._previous: dict[int, Any] = {}
         self._done = threading.Event()
         self._step_times: list[float] = []
-        self.save_s = 0.0
-        # Who has ended when a request arrives (dsrl.runtime.peers: the launcher SIGTERMs every rank as soon as one
-        # ended); ``peer_ended`` is shared by :meth:`decide`, so every rank ends the run as a run error (status 1).
-        self.peers: Any = None  # a dsrl.runtime.peers.Peers, set once the job's store exists
+        self.save_s = 0.0  # the last checkpoint's seconds (note_save), counted in the time a "finish" needs
         # The run is ending on its own (an error every rank agreed on, or the end): ranks that exit now have not died,
         # so a late request (the launcher's SIGTERM after the first of them exited) names nobody.
         self.ending = False
         self.ended: str | None = None  # this rank's finding, named by role, rank and host
-        self.peer_ended = False
+        self.peer_ended = False  # shared by decide(): every rank then ends the run as a run error (status 1)
+
+    # -- the run's course -------------------------------------------------------------------------
+    def begin_training(self) -> None:
+        """Start-up is over: a request now stops the run at the next mini-batch boundary instead of aborting."""
+        self.training = True
+
+    def end_run(self) -> None:
+        """The run ends on its own (its end, or an error every rank agreed on): a request from now on names no
+        ended rank."""
+        self.ending = True
+
+    def note_save(self, seconds: float) -> None:
+        """How long the last checkpoint took (what finishing a rollout on request must leave room for)."""
+        self.save_s = float(seconds)
 
     # -- requests -------------------------------------------------------------------------------
     def install(self) -> None:
@@ -147,10 +164,11 @@ class StopControl:
             return
         self.requested_at, self.reason, self.signum = time.monotonic(), reason, signum
         speaks = collectives.rank() == 0
-        if self.peers is not None and signum and self.training and not self.ending:
+        peers = self.peers()
+        if peers is not None and signum and self.training and not self.ending:
             try:
-                self.ended = self.peers.obituary()
-                speaks = speaks or (self.ended is not None and self.peers.speaks_for_host())
+                self.ended = peers.obituary()
+                speaks = speaks or (self.ended is not None and peers.speaks_for_host())
             except Exception:  # noqa: BLE001 - naming is best effort, the stop is not
                 self.ended = None
             self.peer_ended = self.ended is not None

@@ -30,15 +30,33 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Protocol
 
 import torch.distributed as dist
 
 from dsrl.core import collectives
 from dsrl.core.errors import CollectiveTimeout, RunError
 from dsrl.core.timeouts import looks_like_timeout
+from dsrl.runtime.peers import Peers
 
 PHASES = ("start", "generation", "environment", "reward", "step", "save", "export")
+
+
+class PhaseWatch(Protocol):
+    """What runs a phase of the job: :class:`Watch` (bounded phase ends), or :data:`NO_WATCH` (one process, tests)."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Run the block as phase ``name``."""
+
+
+class _NoWatch:
+    """A :class:`PhaseWatch` that bounds nothing."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+NO_WATCH: PhaseWatch = _NoWatch()
 log = logging.getLogger("dsrl.watchdog")
 _ACTIVE: list[Watch] = []  # the job's Watch with more than one rank (what note() records into)
 
@@ -58,14 +76,16 @@ def _missing_ranks(text: str) -> list[int]:
 class Watch:
     """Phase bookkeeping and bounded phase ends for one job (module docstring). Build it on every rank."""
 
-    def __init__(self, timeout_s: float, report_s: float = 30.0):
+    def __init__(self, timeout_s: float, report_s: float = 30.0, peers: Peers | None = None):
+        """``peers``: the job's :class:`dsrl.runtime.peers.Peers`, so that a message about a lost peer names the ranks
+        of this host that ended."""
         self.timeout_s = float(timeout_s)
         self.report_s = float(report_s)
         self.rank, self.world = collectives.rank(), collectives.world()
         self.current = "start"
         self.group = None
         self.store = None
-        self.peers: Any = None  # a dsrl.runtime.peers.Peers: a message about a lost peer names the ranks that ended
+        self.peers = peers
         if self.world > 1:
             # monitored_barrier is gloo-only: under NCCL a gloo side group carries it (collective creation).
             self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")

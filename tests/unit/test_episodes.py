@@ -5,9 +5,10 @@
   only; per-turn seeds are derived from the round's seed, finished trajectories leave the batch;
 - the bounds: max_turns, the token bound cutting a model turn, an observation that does not fit (said once);
 - greedy multi-turn generation gives the same trajectories on the hf and cb backends;
-- scoring: the environment's rewards summed (+ data.reward_fn of the last model turn), accuracy on that turn;
-- downstream: GAE skips observation tokens (equal to GAE on the model tokens alone), the KL penalty in the
-  reward counts model tokens only;
+- scoring (dsrl.rl.rewards.scoring): the environment's rewards summed (+ data.reward_fn of the last model turn),
+  accuracy on that turn;
+- downstream: GAE skips observation tokens (equal to GAE on the model tokens alone; tests/unit/test_experience.py
+  checks the experience maker and the actor: GAE and the KL penalty in the reward count model tokens only);
 - the supervised warm-up's demonstration of the calculator task shows the call, the masked tool result and the
   answer; the task's tool works and its control has none.
 """
@@ -22,12 +23,13 @@ import torch
 
 from dsrl.config import DataConfig, ModelConfig, RolloutConfig
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.critic import NO_CRITIC
 from dsrl.rl.data.batching import collate
-from dsrl.rl.episodes.driver import EpisodeRunner, demonstration, score_trajectories
+from dsrl.rl.episodes.driver import EpisodeRunner, demonstration
 from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder
 from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, Trajectory
 from dsrl.rl.policy.tokenizer import load_tokenizer
+from dsrl.rl.rewards.functions import as_batched
+from dsrl.rl.rewards.scoring import Scorer
 from dsrl.rollout.base import Completion, stop_token_ids
 
 TOK = load_tokenizer(ModelConfig())
@@ -147,10 +149,9 @@ def test_scoring_sums_environment_rewards_adds_the_reward_fn_and_measures_the_la
         seen.append(completions)
         return [0.5 for _ in completions]
 
-    groups = score_trajectories([17], [{"prompt": "p", "answer": "42"}], trajs, reward_fn=reward_fn,
-                                accuracy_fn=lambda p, c, a: [float(x == "42") for x in c],
-                                data=DataConfig(rule_reward_weight=2.0, reward_model_weight=1.0), version=3,
-                                model_scores=[0.1, 0.1])
+    scorer = Scorer(DataConfig(rule_reward_weight=2.0, reward_model_weight=1.0), TOK, as_batched(reward_fn),
+                    as_batched(lambda prompts, completions, answers: [float(x == "42") for x in completions]))
+    groups = scorer.trajectories([17], [{"prompt": "p", "answer": "42"}], trajs, version=3, model_scores=[0.1, 0.1])
     (a, b), = groups
     assert seen == [["42", "4"]] and a.reward == pytest.approx(2 * (1.25 + 0.5) + 0.1) and a.accuracy == 1.0
     assert b.reward != b.reward and b.group == 17 and a.version == 3  # NaN: a timed-out step masks the sample
@@ -219,57 +220,3 @@ def test_gae_skips_observation_tokens():
         torch.testing.assert_close(adv[i, keep], a[0])
         torch.testing.assert_close(ret[i, keep], r[0])
         assert (adv[i, ~keep] == 0).all() and (ret[i, ~keep] == 0).all()
-
-
-def test_experience_gae_and_kl_penalty_use_model_tokens_only():
-    from dsrl.core.parallel import ParallelView
-    from dsrl.rl.experience import ExperienceMaker
-
-    t = Trajectory(0, [1, 5])
-    t.add_model_turn([7, 8], [-1.0, -1.0])
-    t.add_observation([60, 9])
-    t.add_model_turn([9], [-1.0])
-    s = t.sample(group=0, reward=1.0)
-    s.values = [0.5, 0.25, 9.0, 9.0, 0.125]  # the values at observation tokens must not enter
-    s.old_logprobs, s.ref_logprobs = [-1.0, -1.0, -5.0, -5.0, -1.0], [-1.5, -1.0, -1.0, -1.0, -1.0]
-    maker = object.__new__(ExperienceMaker)
-    maker.d = types.SimpleNamespace(algorithm=types.SimpleNamespace(kl_in="reward", kl_coef=0.5, gamma=1.0, lam=1.0))
-    maker.ref_model, maker.algo = object(), types.SimpleNamespace(normalize_std=False)
-    maker.view = ParallelView(count_group=None, grad_scale=1.0, data_parallel_size=1, data_parallel_rank=0)
-    maker.policy = types.SimpleNamespace(device="cpu")
-    maker.gae_advantages([s])
-    kl = [0.5, 0.0, 0.0]  # k1 = old - ref on the model tokens
-    model_rewards = [-0.5 * kl[0], -0.5 * kl[1], -0.5 * kl[2] + 1.0]
-    values = [0.5, 0.25, 0.125]
-    want = [sum(model_rewards[k:]) - values[k] for k in range(3)]  # gamma = lam = 1: A_t = sum of rewards - V_t
-    assert s.token_advantages[:2] + s.token_advantages[4:] == pytest.approx(want)
-    assert s.token_advantages[2:4] == [0.0, 0.0] and s.returns[2:4] == [0.0, 0.0]
-
-
-def test_the_kl_penalty_in_the_reward_sums_model_tokens_only():
-    from dsrl.rl.experience import ExperienceMaker
-    from dsrl.runtime.phases import PhaseClock
-
-    t = Trajectory(0, [1, 5])
-    t.add_model_turn([7, 8], [-1.0, -1.0])
-    t.add_observation([60, 9, 9])
-    t.add_model_turn([9], [-1.0])
-    s = t.sample(group=0, reward=1.0)
-    policy_model, ref_model = object(), object()
-
-    def logprob_fn(model, micro):  # log pi_old = -1 everywhere; log pi_ref = -1.5 on model tokens, -9 elsewhere
-        out = torch.full(micro["targets"].shape, -1.0)
-        if model is ref_model:
-            out = torch.where(micro["loss_mask"] > 0, torch.tensor(-1.5), torch.tensor(-9.0))
-        return out
-
-    maker = object.__new__(ExperienceMaker)
-    maker.d = types.SimpleNamespace(rollout=types.SimpleNamespace(logprob_micro_batch_size=4),
-                                    algorithm=types.SimpleNamespace(kl_in="reward", kl_coef=0.5))
-    maker.policy = types.SimpleNamespace(device="cpu",
-                                         forward_no_grad=lambda micros, fn: [fn(policy_model, m) for m in micros])
-    maker.pad_id, maker.critic, maker.phases = 0, NO_CRITIC, PhaseClock()
-    maker.ref_model = types.SimpleNamespace(forward_no_grad=lambda micros, fn: [fn(ref_model, m) for m in micros])
-    maker._logprob_fn = lambda: logprob_fn
-    maker.score_logprobs([s])
-    assert s.reward == pytest.approx(1.0 - 0.5 * 3 * 0.5)  # k1 = 0.5 on each of the 3 model tokens, none elsewhere

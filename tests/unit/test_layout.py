@@ -23,7 +23,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "dsrl"
 
 PACKAGES = ("config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "rl",
-            "rl.policy", "rl.data", "rl.rewards", "rl.episodes", "rl.disagg", "tasks", "runtime", "cli")
+            "rl.policy", "rl.data", "rl.rewards", "rl.episodes", "rl.disagg", "rl.run", "tasks", "runtime", "cli")
 BELOW_RL = {"config", "core", "backends.deepspeed", "checkpoint", "rollout", "algos", "tasks", "runtime"}
 RL_ROOMS = {"rl.policy", "rl.data", "rl.rewards", "rl.episodes", "rl.disagg"}
 TOP_LEVEL = {"dsrl", "dsrl.check", "dsrl.__main__"}
@@ -40,11 +40,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "rollout": {"config", "core", "algos"},
     "checkpoint": {"config", "core", "backends.deepspeed"},
     # the RL application's own modules (trainer, experience, critic, sft) compose everything below and every room;
-    # a room never imports them, and rooms import each other one way only (dsrl/rl/__init__.py)
-    "rl": BELOW_RL | RL_ROOMS,
-    "rl.policy": {"config", "core", "backends.deepspeed", "rollout"},
+    # a room never imports them, and rooms import each other one way only (dsrl/rl/__init__.py); the run's parts
+    # (rl.run) compose the application's modules, and only the trainer imports them (ONLY_THE_TRAINER)
+    "rl": BELOW_RL | RL_ROOMS | {"rl.run"},
+    "rl.run": BELOW_RL | RL_ROOMS | {"rl"},
+    "rl.policy": {"config", "core", "backends.deepspeed", "rollout", "algos", "runtime", "rl.data"},
     "rl.data": {"config", "core", "tasks"},
-    "rl.rewards": {"config", "core", "backends.deepspeed", "runtime", "tasks", "rl.data", "rl.policy"},
+    "rl.rewards": {"config", "core", "backends.deepspeed", "rollout", "runtime", "tasks", "rl.data", "rl.policy"},
     "rl.episodes": {"config", "core", "runtime", "rollout", "rl.data", "rl.rewards"},
     "rl.disagg": {"config", "core", "backends.deepspeed", "rollout", "runtime", "rl.data", "rl.policy"},
     "cli": {"config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "tasks",
@@ -99,6 +101,9 @@ def package_of(module: str) -> str | None:
     return None
 
 
+ONLY_THE_TRAINER = {"dsrl.rl.trainer"}  # of rl's own modules, the ones that may import the run's parts (rl.run)
+
+
 def violations(root: pathlib.Path = ROOT) -> list[str]:
     """Every import that breaks the dependency direction, as 'a imports b (package x may import only ...)'."""
     mods = _modules(root)
@@ -110,6 +115,9 @@ def violations(root: pathlib.Path = ROOT) -> list[str]:
                 found.append(f"{mod} imports {target}: nothing in dsrl imports tests")
                 continue
             theirs = package_of(target)
+            if mine == "rl" and theirs == "rl.run" and mod not in ONLY_THE_TRAINER:
+                found.append(f"{mod} imports {target}: of rl's own modules only the trainer imports rl.run")
+                continue
             if mine is None or theirs is None or theirs == mine:
                 continue
             if theirs not in MAY_IMPORT[mine]:
@@ -221,6 +229,10 @@ def _plant(root: pathlib.Path, module: str, line: str) -> None:
     ("dsrl.rl.disagg.remote", "from dsrl.rl.experience import ExperienceMaker", "rl.disagg may import only"),
     ("dsrl.rl.data.prompts", "from dsrl.rl.episodes import driver", "rl.data may import only"),
     ("dsrl.rl.policy.model", "from dsrl.rl.disagg.roles import Role", "rl.policy may import only"),
+    # the run's parts sit between the application's modules and the trainer
+    ("dsrl.rl.experience", "from dsrl.rl.run import parts", "only the trainer imports rl.run"),
+    ("dsrl.rl.policy.actor", "from dsrl.rl.run.state import RunState", "rl.policy may import only"),
+    ("dsrl.rl.run.state", "from dsrl.cli import main", "rl.run may import only"),
 ])
 def test_the_direction_check_fails_on_a_planted_violation(planted, module, line, expected):
     assert violations(planted) == []

@@ -218,7 +218,7 @@ def test_moe_refusals_before_any_work(tmp_path, model, rollout, ds, match):
     cfg = load_config(_run_file(tmp_path, **model), {"dsrl.rollout." + k: v for k, v in rollout.items()})
     cfg.ds_config.update(ds)
     with pytest.raises(ConfigError, match=match) as e:
-        check_moe_run(cfg, on_gpu=False)
+        check_moe_run(cfg.dsrl.model, cfg.dsrl.rollout, on_gpu=False)
     assert "Fix:" in str(e.value)
 
 
@@ -231,7 +231,7 @@ def test_moe_checkpoint_architecture_not_routable(tmp_path):
         tmp_path / "olmoe")
     cfg = load_config(_run_file(tmp_path, path=str(tmp_path / "olmoe"), routing_replay="rollout"))
     with pytest.raises(ConfigError, match="'olmoe' mixture of experts: dsrl records and replays the routers of"):
-        check_moe_run(cfg, on_gpu=False)
+        check_moe_run(cfg.dsrl.model, cfg.dsrl.rollout, on_gpu=False)
 
 
 def test_plan_shows_the_expert_layout(tmp_path, capsys):

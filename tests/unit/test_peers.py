@@ -108,19 +108,18 @@ class _Peers:
 
 
 def test_a_stop_that_finds_an_ended_rank_is_a_run_error():
-    stop = StopControl(25.0)
-    stop.training = True
-    stop.peers = _Peers("generator 0 (rank 2 on host a) has ended (its process is gone)")
+    stop = StopControl(25.0, peers=lambda: _Peers("generator 0 (rank 2 on host a) has ended (its process is gone)"))
+    stop.begin_training()
     stop.request("SIGTERM received", signal.SIGTERM)
     assert stop.ended.startswith("generator 0") and stop.peer_ended and stop.exit_code == 1
-    plain = StopControl(25.0)
-    plain.training = True
-    plain.peers = _Peers(None)
+    plain = StopControl(25.0, peers=lambda: _Peers(None))
+    plain.begin_training()
     plain.request("SIGTERM received", signal.SIGTERM)
     assert plain.ended is None and plain.exit_code == 143
-    ending = StopControl(25.0)  # the run ends on an agreed error: ranks that exit now have not died
-    ending.training = True
-    ending.peers, ending.ending = _Peers("trainer 1 (rank 1 on host a) has ended (its process is gone)"), True
+    # the run ends on an agreed error: ranks that exit now have not died
+    ending = StopControl(25.0, peers=lambda: _Peers("trainer 1 (rank 1 on host a) has ended (its process is gone)"))
+    ending.begin_training()
+    ending.end_run()
     ending.request("SIGTERM received", signal.SIGTERM)
     assert ending.ended is None and ending.exit_code == 143
     for s in (stop, plain, ending):

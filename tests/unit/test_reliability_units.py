@@ -325,14 +325,14 @@ def test_elastic_layout_rules(tmp_path):
 
 def test_stop_decisions(monkeypatch):
     stop = StopControl(grace_s=10)
-    stop.training = True
+    stop.begin_training()
     assert stop.decide(3) is None
     monkeypatch.setattr(stop, "_expire", lambda: None)
     stop.request("SIGTERM received", signal.SIGTERM)
     stop.note_step(1.0)
     assert stop.decide(3) == "finish" and stop.decide(100) == "finish"  # once agreed it stays
     late = StopControl(grace_s=10)
-    late.training = True
+    late.begin_training()
     monkeypatch.setattr(late, "_expire", lambda: None)
     late.request("SIGTERM received", signal.SIGTERM)
     late.note_step(2.0)

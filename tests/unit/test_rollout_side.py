@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dsrl.config import ConfigError, load_config
-from dsrl.rl.policy.rollout_side import RolloutSide
+from dsrl.rl.policy.rollout_side import RolloutSide, RolloutSideSettings
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 
@@ -29,7 +29,7 @@ def _cfg(name: str = "tiny_grpo_async_cpu.json", **rollout):
 
 
 def _side(cfg, generator: bool = False) -> RolloutSide:
-    side = RolloutSide(cfg, on_gpu=False)
+    side = RolloutSide(RolloutSideSettings.of(cfg.dsrl), on_gpu=False)
     side.build_model()
     if generator:
         side.on_generator_device()
@@ -65,17 +65,18 @@ def test_generator_behavior_logprobs_equal_the_trainer_modules(planted):
 
 
 def test_backend_arguments_have_one_formula_and_vllm_is_refused_before_work(monkeypatch):
-    side = RolloutSide(_cfg(backend="vllm"), on_gpu=False)
-    d = side.d
+    d = _cfg(backend="vllm").dsrl
+    side = RolloutSide(RolloutSideSettings.of(d), on_gpu=False)
     assert side.backend_kwargs(4) == {"max_model_len": d.max_generation_tokens,
                                       "samples_per_prompt": d.batch.samples_per_prompt, "seed": d.run.seed}
-    local = RolloutSide(_cfg(), on_gpu=False)
+    d = _cfg().dsrl
+    local = RolloutSide(RolloutSideSettings.of(d), on_gpu=False)
     bounds = local.backend_kwargs(4)["bounds"]  # continuous batching: the run's largest call
-    g, longest = local.d.batch.samples_per_prompt, local.d.max_generation_tokens
-    assert (bounds.sequences, bounds.sequence_tokens) == (min(4, local.d.rollout.generation_batch_size) * g, longest)
+    g, longest = d.batch.samples_per_prompt, d.max_generation_tokens
+    assert (bounds.sequences, bounds.sequence_tokens) == (min(4, d.rollout.generation_batch_size) * g, longest)
     side.build_model()
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, installed or not
     monkeypatch.setattr("dsrl.rollout.vllm.installed_vllm_builds", lambda: [])
     with pytest.raises(ConfigError, match=r"rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: pip"):
         side.check()
-    RolloutSide(_cfg(), on_gpu=False).check()  # hf: nothing to refuse
+    RolloutSide(RolloutSideSettings.of(_cfg().dsrl), on_gpu=False).check()  # hf: nothing to refuse

@@ -46,7 +46,8 @@ def test_replay_with_vllm_on_cpu_refused_before_any_work(tmp_path):
                    '"model": {"arch": "qwen3_moe", "routing_replay": "rollout"}}}')
     with pytest.raises(ConfigError, match="vLLM's CPU build cannot return routes.*Fix: use rollout.backend = 'hf' "
                                           "or 'cb'"):
-        check_moe_run(load_config(str(run)), on_gpu=False)
+        cfg = load_config(str(run))
+        check_moe_run(cfg.dsrl.model, cfg.dsrl.rollout, on_gpu=False)
 
 
 @pytest.mark.parametrize("runner_v2, says", [("0", "Model Runner V2"), ("1", "Triton")])

@@ -38,22 +38,23 @@ def main() -> int:
     from dsrl.config import parse_override_args
     from dsrl.rl.trainer import Trainer
 
-    trainer = Trainer(args.ds_config, parse_override_args(rest), resume=args.resume)
-    rl = trainer.rl
+    trainer = Trainer.from_config(args.ds_config, parse_override_args(rest), resume=args.resume)
+    parts = trainer.parts
+    rl = parts.actor.engine
     if args.dump_resumed:
         params = _full_parameters(rl)
-        if trainer.rank == 0:
+        if parts.rank == 0:
             torch.save({"params": params, "optimizer_steps": rl.optimizer_steps,
-                        "next_lr": rl.scheduler.current_lr(), "notice": trainer.resume_notice}, args.dump_resumed)
+                        "next_lr": rl.scheduler.current_lr(), "notice": parts.checkpointer.notice}, args.dump_resumed)
     trainer.run()
     if args.dump_logits:
-        ids = (torch.arange(24).view(2, 12) * 7 + 3) % len(trainer.tokenizer)
+        ids = (torch.arange(24).view(2, 12) * 7 + 3) % len(parts.tokenizer)
         rl.engine.eval()
         with torch.no_grad():
             logits = rl.engine(input_ids=ids.to(rl.device), use_cache=False).logits.float().cpu()
-        if trainer.rank == 0:
+        if parts.rank == 0:
             torch.save({"input_ids": ids, "logits": logits}, args.dump_logits)
-    return trainer.stop.exit_code
+    return parts.stop.exit_code
 
 
 if __name__ == "__main__":

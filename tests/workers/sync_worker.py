@@ -19,6 +19,7 @@ generation and no-grad passes (a planted bug: syncs must then be counted there).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -72,19 +73,20 @@ def main() -> int:
 
         hooks.engine_hooks = lambda engine: []  # planted: the engine's hooks stay on the module
     out_dir = os.path.join(os.path.dirname(args.out), f"run_stage{args.stage}")
-    trainer = Trainer(config(args.stage, args.timer_on, out_dir))
+    trainer = Trainer.from_config(config(args.stage, args.timer_on, out_dir))
+    parts = trainer.parts
     traffic = DeviceTraffic()
-    tok, maker = trainer.tokenizer, trainer.experience
+    tok, maker, actor = parts.tokenizer, parts.experience, parts.actor
     local, _, _ = maker.make(0)
-    trainer.train_rollout(local, lambda res, critic_res: None)
-    report: dict[str, Any] = {"rank": dist.get_rank(), "optimizer_steps": trainer.rl.optimizer_steps}
+    trainer.train_rollout(local)
+    report: dict[str, Any] = {"rank": dist.get_rank(), "optimizer_steps": actor.engine.optimizer_steps}
     prompts = sorted({tuple(s.tokens[:s.prompt_len]) for s in local})
     prompts = [list(p) for p in prompts]
 
     for backend in ("hf", "cb"):
         for new_tokens in (2, 6):
             rollout = RolloutConfig(backend=backend, max_new_tokens=new_tokens)
-            be = make_backend(rollout, trainer.rl, tok, bounds=CallBounds(16, 32))
+            be = make_backend(rollout, actor.engine, tok, bounds=CallBounds(16, 32))
             be.generate(prompts, 2, seed=1)  # the first call builds cb's manager (a warm-up on a GPU)
             traffic.reset()
             with traffic.counting():
@@ -93,40 +95,40 @@ def main() -> int:
             report[f"{backend}_{new_tokens}"] = {"syncs": traffic.syncs, "copies": traffic.copies,
                                                  "where": traffic.where}
     for micro in (1, 16):
-        maker.d.rollout.logprob_micro_batch_size = micro
+        actor.settings = dataclasses.replace(actor.settings, logprob_micro_batch_size=micro)
         traffic.reset()
         with traffic.counting():
-            maker.score_logprobs(local)
+            actor.add_logprobs(actor.pass_batches(local, tok.pad_token_id))
         report[f"logprobs_{micro}"] = {"syncs": traffic.syncs, "copies": traffic.copies, "where": traffic.where,
                                        "micro_batches": -(-len(local) // micro)}
     local, _, _ = maker.make(1)
     traffic.reset()
     with traffic.counting():
-        trainer.train_rollout(local, lambda res, critic_res: None)
+        trainer.train_rollout(local)
     report["training"] = {"syncs": traffic.syncs}
 
     greedy = RolloutConfig.model_construct(**{**RolloutConfig(max_new_tokens=6).model_dump(), "temperature": 0.0})
-    cb = make_backend(greedy.model_copy(update={"backend": "cb"}), trainer.rl, tok, bounds=CallBounds(16, 32))
-    hf = make_backend(greedy.model_copy(update={"backend": "hf"}), trainer.rl, tok)
+    cb = make_backend(greedy.model_copy(update={"backend": "cb"}), actor.engine, tok, bounds=CallBounds(16, 32))
+    hf = make_backend(greedy.model_copy(update={"backend": "hf"}), actor.engine, tok)
     equal, completions = [], []
     for rollout_index in (2, 3, 4):
         local, _, _ = maker.make(rollout_index)
-        trainer.train_rollout(local, lambda res, critic_res: None)
+        trainer.train_rollout(local)
         got = [c.completion_ids for c in cb.generate(prompts, 2, seed=0)]
         equal.append(got == [c.completion_ids for c in hf.generate(prompts, 2, seed=0)])
         completions.append(got)
     report.update(greedy_equal=equal, greedy_changed=len({json.dumps(c) for c in completions}) > 1,
-                  cb_calls=cb.calls, cb_managers=cb.managers_built, final_steps=trainer.rl.optimizer_steps)
+                  cb_calls=cb.calls, cb_managers=cb.managers_built, final_steps=actor.engine.optimizer_steps)
     cb.close()
     reports: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(reports, f, indent=1)
-    trainer.metrics.close()
-    trainer.backend.close()
-    trainer.stop.uninstall()
-    trainer.run_dir.release()
+    parts.metrics.close()
+    parts.backend.close()
+    parts.stop.uninstall()
+    parts.run_dir.release()
     return 0
 
 

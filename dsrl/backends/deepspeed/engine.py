@@ -148,6 +148,11 @@ class RLEngine(StepCore):
     def zero_stage(self) -> int:
         return self.engine.zero_optimization_stage()
 
+    @property
+    def monitor(self) -> Any:
+        """DeepSpeed's monitor of the run (csv / TensorBoard / wandb / comet, as the ds_config enables them)."""
+        return self.engine.monitor
+
     # -- forwards that are not training steps (dsrl.core.forwards.PolicyForwards) ---------------
     def generation_scope(self) -> contextlib.AbstractContextManager[None]:
         """The full parameters on this rank and none of the engine's hooks for the block (ZeRO-3: one gather on

@@ -88,6 +88,12 @@ class Sample:
         return self.completion_len if self.turn_mask is None else sum(self.turn_mask)
 
     @property
+    def model_mask(self) -> list[int]:
+        """Per completion token: 1 where the model generated it (every token of a single completion), 0 for an
+        environment's (observation) token of a multi-turn trajectory."""
+        return list(self.turn_mask) if self.turn_mask is not None else [1] * self.completion_len
+
+    @property
     def observation_tokens(self) -> int:
         """Completion tokens an environment appended (0 for a single completion)."""
         return self.completion_len - self.model_tokens
@@ -202,6 +208,27 @@ def completion_positions(samples: list[Sample]) -> list[slice]:
 
 def chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+@dataclass(frozen=True)
+class PassBatches:
+    """A rollout's samples cut into the micro-batches of its no-grad passes (old and reference log-probs, the
+    critic's values), collated once and shared by every pass: ``micros[i]`` collates ``groups[i]`` (without
+    per-token data: the passes produce it)."""
+
+    groups: list[list[Sample]]
+    micros: list[dict[str, torch.Tensor]]
+
+    @classmethod
+    def of(cls, samples: list[Sample], micro_batch_size: int, pad_id: int,
+           device: torch.device | str = "cpu") -> PassBatches:
+        groups = chunks(samples, micro_batch_size)
+        return cls(groups, [collate(g, pad_id, device, with_logprobs=False) for g in groups])
+
+    def per_sample(self, outs: list[torch.Tensor]) -> list[list[float]]:
+        """A pass's ``[b, t]`` outputs (one per micro-batch) as each sample's completion values, in sample order
+        (:func:`completion_values`: one device-to-host copy for the pass)."""
+        return completion_values(self.groups, outs)
 
 
 def completion_values(groups: list[list[Sample]], outs: list[torch.Tensor]) -> list[list[float]]:

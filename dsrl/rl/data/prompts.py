@@ -242,13 +242,29 @@ class PromptSampler:
             raise ConfigError(f"corrupt prompt-sampler state: offset {self.offset} outside [0, {self.num_prompts}).")
 
 
+def replica_share(indices: Sequence[int], replica: int, per_replica: int) -> list[int]:
+    """Data-parallel replica ``replica``'s contiguous share of a rollout's prompt indices: ``per_replica`` (P / D)
+    of them, the same slice whichever rank (a trainer, or the generator serving that replica) cuts it."""
+    return list(indices[replica * per_replica:(replica + 1) * per_replica])
+
+
 class PromptSource:
-    """The run's prompts as the experience maker sees them: the records, the resumable stream of indices
-    (:class:`PromptSampler`) and their encoding by the run's tokenizer (``data.max_prompt_tokens``,
-    ``data.chat_template``). Every rank holds the same one, so every rank draws the same indices."""
+    """The run's prompts as the experience maker and a generator rank see them: the records, the resumable stream
+    of indices (:class:`PromptSampler`) and their encoding by the run's tokenizer (``data.max_prompt_tokens``,
+    ``data.chat_template``). Every rank holds the same one, so every rank draws the same indices; build it with
+    :meth:`load` on every role."""
 
     def __init__(self, records: list[dict[str, Any]], sampler: PromptSampler, tokenizer: Any, data_cfg: DataConfig):
         self.records, self.sampler, self.tokenizer, self.data_cfg = records, sampler, tokenizer, data_cfg
+
+    @classmethod
+    def load(cls, data_cfg: DataConfig, prompts_per_rollout: int, seed: int, last_rollout: Literal["drop", "wrap"],
+             tokenizer: Any) -> PromptSource:
+        """The run's prompt stream: ``data``'s prompts (:func:`load_prompts`) drawn ``batch.prompts_per_rollout`` at
+        a time by a sampler seeded with ``run.seed`` (``run.last_rollout``: how ``run.epochs`` ends)."""
+        records = load_prompts(data_cfg, seed=seed)
+        return cls(records, PromptSampler(len(records), prompts_per_rollout, seed=seed, last_rollout=last_rollout),
+                   tokenizer, data_cfg)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -256,6 +272,11 @@ class PromptSource:
     def next_indices(self) -> list[int]:
         """The next rollout's ``P`` prompt indices (advances the sampler)."""
         return self.sampler.next_indices()
+
+    def next_share(self, replica: int, per_replica: int) -> list[int]:
+        """The next rollout's ``P`` indices (advances the sampler, as on every rank) cut to ``replica``'s share
+        (:func:`replica_share`)."""
+        return replica_share(self.next_indices(), replica, per_replica)
 
     @property
     def drawn(self) -> int:

@@ -31,7 +31,7 @@ view.data_parallel_size`` their number (:class:`dsrl.core.parallel.ParallelView`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from dsrl.core.parallel import ParallelView
+from dsrl.core.partition import mini_batches, partition_mini_batch
+from dsrl.core.plan import BatchPlan
 from dsrl.rl.data.batching import collate, collate_packed
 from dsrl.rl.data.codec import decode_sample, encode_sample
 
@@ -220,3 +222,22 @@ class RolloutIndex:
                 have[i] = decode_sample(data[pos:pos + n])
                 pos += n
         return have
+
+
+def rollout_micro_batches(local: Sequence[Any], view: ParallelView, plan: BatchPlan, seed: int, shuffle: bool,
+                          pad_id: int, device: Any) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """This rank's micro-batches of each of a rollout's ``E * R / B`` mini-batches, in training order (one
+    optimizer step each).
+
+    Every rank learns all R lengths (:meth:`RolloutIndex.gather`), cuts the same E reshuffled passes of
+    ``plan.mini_batch_size`` samples (``seed``; ``shuffle``: ``batch.shuffle``) and partitions each across replicas
+    and into micro-batches (:mod:`dsrl.core.partition`); then one all-to-all moves each sample, once per rollout,
+    to the ranks that train on it (rules 3-5), before the first mini-batch is yielded."""
+    index = RolloutIndex.gather(view, local)
+    steps = [partition_mini_batch(mb, index.lengths, plan)
+             for mb in mini_batches(index.size, plan.mini_batch_size, plan.epochs_per_rollout, seed=seed,
+                                    shuffle=shuffle)]
+    samples = index.exchange(steps, device)
+    del index
+    for per_rank in steps:
+        yield my_micro_batches(samples, per_rank, view, pad_id, device, plan.packing)

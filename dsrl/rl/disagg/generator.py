@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from dsrl.config import Config, ConfigError
+from dsrl.config import Config, ConfigError, DsrlConfig
 from dsrl.core.errors import RunError
-from dsrl.core.seeds import derived_seed
+from dsrl.core.seeds import generation_seed
+from dsrl.rl.data.prompts import PromptSource, replica_share
 from dsrl.rl.disagg.roles import Role
 from dsrl.rl.disagg.wire import (
     SampleMessage,
@@ -48,47 +50,72 @@ from dsrl.rl.disagg.wire import (
     send_samples,
     wait,
 )
+from dsrl.rl.policy.rollout_side import RolloutSide, RolloutSideSettings
+from dsrl.rollout.base import RolloutBackend
 
 log = logging.getLogger("dsrl.rl.disagg.generator")
 
 
-class GeneratorWorker:
-    """One generator rank (module docstring). ``run()`` returns the process exit status."""
+@dataclass(frozen=True)
+class GeneratorSettings:
+    """What of the run file a generator rank reads: P and G (``batch``), the run's seed and the bound on every wait
+    (``run.collective_timeout_s``)."""
 
-    def __init__(self, cfg: Config, role: Role):
+    prompts_per_rollout: int
+    samples_per_prompt: int
+    seed: int
+    collective_timeout_s: float
+
+    @classmethod
+    def of(cls, d: DsrlConfig) -> GeneratorSettings:
+        return cls(d.batch.prompts_per_rollout, d.batch.samples_per_prompt, d.run.seed, d.run.collective_timeout_s)
+
+
+class GeneratorWorker:
+    """One generator rank (module docstring), built by :meth:`start`. ``run()`` returns the process exit status."""
+
+    def __init__(self, settings: GeneratorSettings, role: Role, side: RolloutSide, prompts: PromptSource,
+                 backend: RolloutBackend):
+        """``side``: this rank's rollout side, its model on the generator's device; ``backend`` generates with it
+        (each call one trainer replica's P/D prompts)."""
+        self.settings, self.role, self.side, self.prompts, self.backend = settings, role, side, prompts, backend
+        self.bound_s = settings.collective_timeout_s
+        self.weights = side.weights()  # where the trainers' published state_dict lands, name for name
+        self.status = 0
+
+    @classmethod
+    def start(cls, cfg: Config, role: Role) -> GeneratorWorker:
+        """The checks first, agreed with the trainers' (:meth:`dsrl.rl.disagg.roles.Role.agree`): a configuration
+        error of either side is printed once, by rank 0, and every rank stops before any work. Then the model on
+        this rank's device and the backend, built by the same :class:`dsrl.rl.policy.rollout_side.RolloutSide` and
+        prompt stream as the trainers'."""
         from dsrl.backends.deepspeed.config import data_parallel_size
         from dsrl.backends.deepspeed.engine import on_gpu
-        from dsrl.rl.data.prompts import PromptSampler, PromptSource, load_prompts
-        from dsrl.rl.policy.rollout_side import RolloutSide
 
-        d = self.d = cfg.dsrl
-        self.role = role
-        self.bound_s = d.run.collective_timeout_s
-        self.status = 0
-        # The checks first, agreed with the trainers' (dsrl.rl.disagg.roles.Role.agree): a configuration error of
-        # either side is printed once, by rank 0, and every rank stops before any work.
+        d = cfg.dsrl
         problem: ConfigError | RunError | None = None
+        side: RolloutSide | None = None
+        prompts: PromptSource | None = None
         try:
-            self.side = RolloutSide(cfg, on_gpu())  # the same build as the trainers' (dsrl.rl.policy.rollout_side)
-            records = load_prompts(d.data, seed=d.run.seed)
-            sampler = PromptSampler(len(records), d.batch.prompts_per_rollout, seed=d.run.seed,
-                                    last_rollout=d.run.last_rollout)
-            self.prompts = PromptSource(records, sampler, self.side.tokenizer, d.data)
-            self.side.build_model()
-            self.side.check()  # this rank builds the backend: vLLM's refusals are found here, before any work
-            self.side.check_moe()  # the trainers refuse the same run file with the same sentence
+            side = RolloutSide(RolloutSideSettings.of(d), on_gpu())
+            prompts = PromptSource.load(d.data, d.batch.prompts_per_rollout, d.run.seed, d.run.last_rollout,
+                                        side.tokenizer)
+            side.build_model()
+            side.check()  # this rank builds the backend: vLLM's refusals are found here, before any work
+            side.check_moe()  # the trainers refuse the same run file with the same sentence
         except (ConfigError, RunError) as e:
             problem = e
         role.agree(problem)
-        self.model = self.side.on_generator_device()
-        self.weights = self.side.weights()  # where the trainers' published state_dict lands, name for name
+        assert side is not None and prompts is not None  # agree() raised every rank's problem
+        model = side.on_generator_device()
         try:
             # each call generates one trainer replica's share of a rollout, as the colocated replica's call would
             replicas = data_parallel_size(cfg.ds_config, role.trainers)
-            self.backend = self.side.backend(self.model, d.batch.prompts_per_rollout // replicas)
+            backend = side.backend(model, d.batch.prompts_per_rollout // replicas)
         except Exception as e:  # noqa: BLE001 - any failure to build it is reported as one sentence
             raise RunError(f"{role.describe(role.global_rank)}: could not build the rollout backend "
                            f"{d.rollout.backend!r}: {type(e).__name__}: {describe_failure(e)}") from e
+        return cls(GeneratorSettings.of(d), role, side, prompts, backend)
 
     def run(self) -> int:
         try:
@@ -107,7 +134,7 @@ class GeneratorWorker:
                         + (f"; {gone}" if gone else "") + "; the trainer side stopped or hangs (see its messages)")
 
     def _loop(self) -> None:
-        role, d = self.role, self.d
+        role, st = self.role, self.settings
         try:
             control = recv_control(role.sync, self._deadline())
         except TimeoutError as e:
@@ -128,7 +155,7 @@ class GeneratorWorker:
         receiver.post()
         version: int | None = None
         pending: list[Any] = []
-        P, G = d.batch.prompts_per_rollout, d.batch.samples_per_prompt
+        P, G = st.prompts_per_rollout, st.samples_per_prompt
         for r in range(start, last):
             need = max(v0, r - k)
             t_idle = time.perf_counter()
@@ -150,11 +177,10 @@ class GeneratorWorker:
                 receiver.post()
             idle = time.perf_counter() - t_idle
             indices = self.prompts.next_indices()
-            share = P // replicas
             for i, replica in enumerate(mine):
                 t0 = time.perf_counter()
-                _, prompt_ids = self.prompts.encode(indices[replica * share:(replica + 1) * share])
-                seed = derived_seed(d.run.seed, r, 0, replica)
+                _, prompt_ids = self.prompts.encode(replica_share(indices, replica, P // replicas))
+                seed = generation_seed(st.seed, r, 0, replica)
                 completions = self.backend.generate(prompt_ids, G, seed=seed)
                 for c in completions:
                     c.version = version

@@ -34,16 +34,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl.config import DsrlConfig
+from dsrl.backends.deepspeed.engine import RLEngine
+from dsrl.config import RolloutConfig, RunConfig
 from dsrl.core.errors import RunError
 from dsrl.core.plan import BatchPlan
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import is_source
 from dsrl.rl.disagg.roles import Role
-from dsrl.rl.disagg.wire import SampleReceiver, WeightLayout, WeightSender, describe_failure, send_control
+from dsrl.rl.disagg.wire import (
+    SampleMessage,
+    SampleReceiver,
+    WeightLayout,
+    WeightSender,
+    describe_failure,
+    send_control,
+)
 from dsrl.rollout.base import Completion, RolloutBackend
 from dsrl.rollout.policy import gathered_for_generation, unwrap
 from dsrl.runtime.peers import FROZEN
+from dsrl.runtime.stop import StopControl
 
 
 class GenerationStopped(RunError):
@@ -64,9 +73,11 @@ def replica_owner(replica: int, replicas: int, generators: int) -> int:
 class RemoteRolloutBackend(RolloutBackend):
     """Completions from generator ranks (module docstring). Built on every trainer rank (collective)."""
 
-    def __init__(self, role: Role, policy: Any, cfg: DsrlConfig, plan: BatchPlan, prompts: PromptSource,
-                 stop: Any = None):
-        self.role, self.policy, self.cfg, self.plan, self.prompts, self.stop = role, policy, cfg, plan, prompts, stop
+    def __init__(self, role: Role, policy: RLEngine, rollout: RolloutConfig, run: RunConfig, plan: BatchPlan,
+                 prompts: PromptSource, stop: StopControl | None = None):
+        """``rollout``/``run``: the run file's sections (the generators' backend, the collective bound)."""
+        self.role, self.policy, self.plan, self.prompts, self.stop = role, policy, plan, prompts, stop
+        self.backend_name, self.collective_timeout_s = rollout.backend, run.collective_timeout_s
         self.module, _ = unwrap(policy)
         view = policy.view
         self.replica = view.data_parallel_rank
@@ -92,11 +103,11 @@ class RemoteRolloutBackend(RolloutBackend):
         from dsrl.rollout.routes import MoERouting
 
         on_gpu = next(self.module.parameters()).device.type != "cpu"
-        return MoERouting.of(self.module) is not None and routes_unsupported(self.cfg.rollout.backend, on_gpu) is None
+        return MoERouting.of(self.module) is not None and routes_unsupported(self.backend_name, on_gpu) is None
 
     @property
     def bound_s(self) -> float:
-        return 0.9 * self.cfg.run.collective_timeout_s
+        return 0.9 * self.collective_timeout_s
 
     def begin(self, rollout_index: int) -> None:
         """Trainer 0 tells the generators where this invocation starts; every trainer learns whether they took it
@@ -178,7 +189,7 @@ class RemoteRolloutBackend(RolloutBackend):
         self._check(msg, prompt_ids, samples_per_prompt)
         return msg.completions
 
-    def _check(self, msg: Any, prompt_ids: list[list[int]], samples_per_prompt: int) -> None:
+    def _check(self, msg: SampleMessage, prompt_ids: list[list[int]], samples_per_prompt: int) -> None:
         rollout = self.version
         k = self.plan.max_staleness
         if msg.rollout != rollout or msg.replica != self.replica:

@@ -21,42 +21,43 @@
    Tensor-parallel peers: only the tensor source runs the environment; the peers adopt its turn results, so
    they hold identical trajectories (:mod:`dsrl.rl.data.replica` rule 2).
 
-Scoring (:func:`score_trajectories`): the rule reward of a trajectory is the sum of its environment rewards, plus
-``data.reward_fn`` of its last model turn's text when one is set; the accuracy of a built-in task is measured on
-that text too. The rest of the pipeline takes the samples as they are: group advantages per prompt, the data
-path, token budgets (a trajectory is one sequence), the critic and KL on model tokens only.
+Scoring is the one reward formula of :class:`dsrl.rl.rewards.scoring.Scorer`: the rule reward of a trajectory is
+the sum of its environment rewards, plus ``data.reward_fn`` of its last model turn's text when one is set; the
+accuracy of a built-in task is measured on that text too. The rest of the pipeline takes the samples as they are:
+group advantages per prompt, the data path, token budgets (a trajectory is one sequence), the critic and KL on
+model tokens only.
 
-The experience maker (:class:`dsrl.rl.experience.ExperienceMaker`) builds one runner for the run with explicit
-collaborators and calls :meth:`EpisodeRunner.run` then :func:`score_trajectories` in place of a single-turn
-round's ``generate`` and scoring; nothing here reaches back into it.
+The run builds one runner with explicit collaborators; the experience maker
+(:class:`dsrl.rl.experience.ExperienceMaker`) calls :meth:`EpisodeRunner.run` in place of a single-turn round's
+``generate``; nothing here reaches back into it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
-from dsrl.config import ConfigError, DataConfig
+from dsrl.config import ConfigError
 from dsrl.core.collectives import all_reduce_floats
+from dsrl.core.parallel import ParallelView
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.replica import share_with_tensor_peers
 from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder, Turn
 from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, Trajectory
 from dsrl.rl.rewards.contract import _short
+from dsrl.rollout.base import Completion, RolloutBackend
 from dsrl.runtime.phases import PhaseClock
+from dsrl.runtime.watchdog import NO_WATCH, PhaseWatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("dsrl.episodes")
-
-
-class _NoWatch:
-    def phase(self, name: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
 
 @dataclass
@@ -88,12 +89,12 @@ class EpisodeRunner:
     collective device; ``watch``: the job's :class:`dsrl.runtime.watchdog.Watch` (or None); ``phases``: the
     :class:`dsrl.runtime.phases.PhaseClock` that times the model's turns as the ``generate`` phase (or None)."""
 
-    def __init__(self, backend: Any, tokenizer: Any, env: EnvironmentCaller, encoder: ObservationEncoder,
-                 max_turns: int, max_tokens: int, view: Any = None, device: Any = "cpu", watch: Any = None,
-                 phases: PhaseClock | None = None):
+    def __init__(self, backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase, env: EnvironmentCaller,
+                 encoder: ObservationEncoder, max_turns: int, max_tokens: int, view: ParallelView | None = None,
+                 device: torch.device | str = "cpu", watch: PhaseWatch = NO_WATCH, phases: PhaseClock | None = None):
         self.backend, self.tokenizer, self.env, self.encoder = backend, tokenizer, env, encoder
         self.max_turns, self.max_tokens = max_turns, max_tokens
-        self.view, self.device, self.watch = view, device, watch or _NoWatch()
+        self.view, self.device, self.watch = view, device, watch
         self.phases = phases or PhaseClock()
         self._episodes: dict[int, Any] = {}
         self._overflow_told = False
@@ -143,7 +144,7 @@ class EpisodeRunner:
         prompt = records[t.prompt_index]["prompt"]
         return f"prompt {labels[t.prompt_index]} ({_short(prompt, 48)}), sample {k % G + 1} of {G}"
 
-    def _advance(self, records: list[dict], labels: list[int], G: int, k: int, t: Trajectory, completion: Any,
+    def _advance(self, records: list[dict], labels: list[int], G: int, k: int, t: Trajectory, completion: Completion,
                  turn: int) -> _TurnResult:
         """One model turn of trajectory ``k`` and its environment step (tensor source only)."""
         self.env.take_seconds()
@@ -163,7 +164,7 @@ class EpisodeRunner:
         result.environment_s = self.env.take_seconds()
         return result
 
-    def _step(self, records: list[dict], labels: list[int], G: int, k: int, t: Trajectory, completion: Any,
+    def _step(self, records: list[dict], labels: list[int], G: int, k: int, t: Trajectory, completion: Completion,
               turn: int, result: _TurnResult) -> None:
         """The environment's answer to a whole model turn, into ``result``."""
         where = self._where(records, labels, G, k, t)
@@ -209,31 +210,6 @@ class EpisodeRunner:
                     "(counted in observation_overflows; said once per sampling round). Fix: raise "
                     "dsrl.rollout.max_trajectory_tokens, or make the environment's observations shorter.",
                     self.env.what, where, n, room, self.max_tokens)
-
-
-def score_trajectories(indices: list[int], records: list[dict], trajs: list[Trajectory], *,
-                       reward_fn: Callable[..., list[float]] | None, accuracy_fn: Callable[..., list[Any]] | None,
-                       data: DataConfig, version: int, model_scores: list[float] | None = None) -> list[list[Sample]]:
-    """One group of samples per prompt (module docstring: the rule reward is the environment's sum, plus
-    ``reward_fn`` of the last model turn when set), weighted like a single completion's reward by ``data``'s
-    ``rule_reward_weight`` and ``reward_model_weight``; every sample carries the policy ``version`` that generated
-    it."""
-    if not trajs:
-        return []
-    texts = [t.last_text for t in trajs]
-    prompts_rep = [records[t.prompt_index]["prompt"] for t in trajs]
-    answers_rep = [records[t.prompt_index].get("answer") for t in trajs]
-    rule = [t.reward for t in trajs]
-    if reward_fn is not None:
-        rule = [x + float(y) for x, y in zip(rule, reward_fn(prompts_rep, texts, answers_rep))]
-    rewards = [data.rule_reward_weight * x for x in rule]
-    if model_scores is not None:
-        rewards = [x + data.reward_model_weight * m for x, m in zip(rewards, model_scores)]
-    accs = accuracy_fn(prompts_rep, texts, answers_rep) if accuracy_fn else [None] * len(trajs)
-    groups: list[list[Sample]] = [[] for _ in indices]
-    for t, reward, acc in zip(trajs, rewards, accs):
-        groups[t.prompt_index].append(t.sample(indices[t.prompt_index], reward, acc, version))
-    return groups
 
 
 # -------------------------------------------------------------------------------------------- demonstrations

@@ -118,8 +118,3 @@ class Trajectory:
             completion_mask=list(self.mask), version=version, turn_mask=list(self.mask), turns=self.turns,
             tool_calls=self.tool_calls, environment_s=self.environment_s, ended_by=self.ended_by,
             routes=sequence_routes(self.routes, len(self.tokens) - 1) if self.routes is not None else None)
-
-
-def model_mask(sample: Sample) -> list[int]:
-    """Per completion token of ``sample``: 1 where the model generated it (every token of a single completion)."""
-    return list(sample.turn_mask) if sample.turn_mask is not None else [1] * sample.completion_len

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dsrl.config import ConfigError
+from dsrl.config import ConfigError, ModelConfig, RolloutConfig
 from dsrl.config.names import AUTO_BACKEND, CB_BACKEND, HF_BACKEND, REPLAY_ROLLOUT
 from dsrl.core.routes import MoELayout, config_layout, differing_pairs, sequence_routes
 from dsrl.rollout.routes import MoERouting
@@ -51,7 +51,7 @@ def routes_unsupported(backend: str, on_gpu: bool) -> str | None:
         return str(e)
 
 
-def model_config(model_cfg: Any) -> Any:
+def model_config(model_cfg: ModelConfig) -> Any:
     """The policy's transformers config: ``model.path``'s config.json (nothing downloaded), or the tiny model's."""
     if model_cfg.path:
         from transformers import AutoConfig
@@ -64,17 +64,15 @@ def model_config(model_cfg: Any) -> Any:
     return tiny_config(model_cfg.arch, 2, None, None, None, model_cfg.tiny)
 
 
-def policy_layout(model_cfg: Any) -> MoELayout | None:
+def policy_layout(model_cfg: ModelConfig) -> MoELayout | None:
     """The policy's :class:`MoELayout` from its config (None for a dense model)."""
     config = model_config(model_cfg)
     return config_layout(config) if config is not None else None
 
 
-def check_moe_run(cfg: Any, on_gpu: bool | None = None) -> MoELayout | None:
-    """The MoE refusals of the module docstring for a run file (:class:`dsrl.config.Config`) on this machine's
+def check_moe_run(m: ModelConfig, rollout: RolloutConfig, on_gpu: bool | None = None) -> MoELayout | None:
+    """The MoE refusals of the module docstring for a run file's ``model`` and ``rollout`` sections on this machine's
     accelerator (or ``on_gpu``); returns the policy's layout (None when dense)."""
-    d = cfg.dsrl
-    m = d.model
     config = model_config(m)
     layout = config_layout(config) if config is not None else None
     replay = m.routing_replay == REPLAY_ROLLOUT
@@ -96,8 +94,8 @@ def check_moe_run(cfg: Any, on_gpu: bool | None = None) -> MoELayout | None:
                           "those architectures.")
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
-    if replay and (why := routes_unsupported(d.rollout.backend, on_gpu)) is not None:
-        raise ConfigError(f"dsrl.model.routing_replay = 'rollout' with rollout.backend = {d.rollout.backend!r}: "
+    if replay and (why := routes_unsupported(rollout.backend, on_gpu)) is not None:
+        raise ConfigError(f"dsrl.model.routing_replay = 'rollout' with rollout.backend = {rollout.backend!r}: "
                           f"{why}, so there would be no routes to replay. Fix: use rollout.backend = 'hf' or 'cb', "
                           "or set routing_replay = 'off'.")
     return layout
@@ -118,7 +116,7 @@ class RouteMismatch:
 class PolicyRouting:
     """The MoE duties of the trainer's forwards (module docstring) for the policy engine and its KL reference."""
 
-    def __init__(self, model_cfg: Any, policy: Any, reference: torch.nn.Module | None = None):
+    def __init__(self, model_cfg: ModelConfig, policy: Any, reference: torch.nn.Module | None = None):
         """``policy``: the policy's module or DeepSpeed engine; ``reference``: the KL reference's own module (a
         frozen copy), None when the reference is the policy itself (LoRA with its adapters disabled) or absent."""
         routing = MoERouting.of(policy)

@@ -22,28 +22,48 @@ their side here, so the three cannot drift apart. Invariants of :class:`RolloutS
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dsrl.config import Config, ConfigError
+from dsrl.config import ConfigError, DsrlConfig, ModelConfig, RolloutConfig
 from dsrl.config.names import VLLM_BACKEND
+from dsrl.core.forwards import PolicyForwards
+from dsrl.core.routes import MoELayout
 from dsrl.rollout import RolloutBackend, make_backend
 from dsrl.rollout.policy import unwrap
+
+
+@dataclass(frozen=True)
+class RolloutSideSettings:
+    """What of the run file the rollout side reads: its sections ``model`` and ``rollout``, G
+    (``batch.samples_per_prompt``), the run's seed and the longest sequence generation makes
+    (``DsrlConfig.max_generation_tokens``)."""
+
+    model: ModelConfig
+    rollout: RolloutConfig
+    samples_per_prompt: int
+    seed: int
+    max_generation_tokens: int
+
+    @classmethod
+    def of(cls, d: DsrlConfig) -> RolloutSideSettings:
+        return cls(d.model, d.rollout, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens)
 
 
 class RolloutSide:
     """What a rank needs to generate with (or to publish weights for) the run's policy (module docstring).
 
-    ``RolloutSide(cfg, on_gpu)`` loads the tokenizer; :meth:`build_model` builds the policy (once);
+    ``RolloutSide(settings, on_gpu)`` loads the tokenizer; :meth:`build_model` builds the policy (once);
     :meth:`check` runs the generating rank's refusals; :meth:`backend` builds the run's backend on a policy (the
     trainer's engine when colocated, this side's own model on a generator)."""
 
-    def __init__(self, cfg: Config, on_gpu: bool):
+    def __init__(self, settings: RolloutSideSettings, on_gpu: bool):
         from dsrl.rl.policy.tokenizer import load_tokenizer
 
-        self.cfg, self.d, self.on_gpu = cfg, cfg.dsrl, on_gpu
-        self.tokenizer = load_tokenizer(self.d.model)
+        self.settings, self.on_gpu = settings, on_gpu
+        self.tokenizer = load_tokenizer(settings.model)
         self._model: torch.nn.Module | None = None
 
     @property
@@ -59,9 +79,9 @@ class RolloutSide:
             from dsrl.rl.policy.model import build_model
 
             tok = self.tokenizer
-            self._model = build_model(self.d.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+            self._model = build_model(self.settings.model, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                      on_gpu=self.on_gpu, seed=self.d.run.seed)
+                                      on_gpu=self.on_gpu, seed=self.settings.seed)
         return self._model
 
     def weights(self) -> torch.nn.Module:
@@ -74,7 +94,7 @@ class RolloutSide:
         """Refuse, before any work, a backend this rank cannot build: ``vllm`` without vLLM (the install hint) or a
         model vLLM cannot serve (vLLM under AutoTP is refused with the run file: dsrl.config.support). Call it on the
         ranks that generate locally (colocated ranks, generator ranks), after :meth:`build_model`."""
-        if self.d.rollout.backend != VLLM_BACKEND:
+        if self.settings.rollout.backend != VLLM_BACKEND:
             return
         from dsrl.rollout.vllm import check_servable
 
@@ -83,32 +103,32 @@ class RolloutSide:
         except ImportError as e:
             raise ConfigError(str(e)) from None
 
-    def check_moe(self) -> Any:
+    def check_moe(self) -> MoELayout | None:
         """The mixture-of-experts refusals that need the model or this machine
         (:func:`dsrl.rl.policy.moe.check_moe_run`: replay or a load-balancing loss with a dense or unroutable model,
         replay with a backend that cannot return routes here); every rank of every role runs them. Returns the
         policy's routing layout (None when dense)."""
         from dsrl.rl.policy.moe import check_moe_run
 
-        return check_moe_run(self.cfg, self.on_gpu)
+        return check_moe_run(self.settings.model, self.settings.rollout, self.on_gpu)
 
     def backend_kwargs(self, prompts_per_call: int) -> dict[str, Any]:
         """What a backend needs beyond the rollout settings: a vLLM engine its sizes and seed; continuous batching
         (``cb``, ``auto``) the run's largest call (:class:`dsrl.rollout.cb.CallBounds`: ``prompts_per_call`` prompts
         of G samples, each sequence at most ``max_generation_tokens``), so one manager serves every rollout."""
-        d = self.d
-        if d.rollout.backend != VLLM_BACKEND:
+        st = self.settings
+        if st.rollout.backend != VLLM_BACKEND:
             from dsrl.rollout.cb import CallBounds
 
-            return {"bounds": CallBounds.of_run(prompts_per_call, d.batch.samples_per_prompt,
-                                                d.rollout.generation_batch_size, d.max_generation_tokens)}
-        return {"max_model_len": d.max_generation_tokens, "samples_per_prompt": d.batch.samples_per_prompt,
-                "seed": d.run.seed}
+            return {"bounds": CallBounds.of_run(prompts_per_call, st.samples_per_prompt,
+                                                st.rollout.generation_batch_size, st.max_generation_tokens)}
+        return {"max_model_len": st.max_generation_tokens, "samples_per_prompt": st.samples_per_prompt,
+                "seed": st.seed}
 
-    def backend(self, policy: Any, prompts_per_call: int) -> RolloutBackend:
+    def backend(self, policy: PolicyForwards | torch.nn.Module, prompts_per_call: int) -> RolloutBackend:
         """The run's ``rollout.backend`` generating with ``policy`` (an RLEngine, or this side's model), whose
         calls have at most ``prompts_per_call`` prompts (a replica's share of a rollout, P / D)."""
-        return make_backend(self.d.rollout, policy, self.tokenizer, **self.backend_kwargs(prompts_per_call))
+        return make_backend(self.settings.rollout, policy, self.tokenizer, **self.backend_kwargs(prompts_per_call))
 
     def on_generator_device(self) -> torch.nn.Module:
         """A generator's model on this rank's device (``LOCAL_RANK`` on an accelerator) in the policy dtype, every
@@ -121,5 +141,5 @@ class RolloutSide:
             import os
 
             model = model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-        self._model = model.to(resolve_dtype(self.d.model.dtype, self.on_gpu))
+        self._model = model.to(resolve_dtype(self.settings.model.dtype, self.on_gpu))
         return self._model

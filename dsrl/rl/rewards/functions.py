@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsrl.config import ConfigError, DataConfig
+from dsrl.rl.rewards.contract import RewardCaller
 
 RewardFn = Callable[[list[str], list[str], list[Any]], list[float]]
 
@@ -70,19 +71,17 @@ def _is_per_sample(fn: Callable[..., Any]) -> bool:
 
 
 def as_batched(fn: Callable[..., Any], field_name: str = "dsrl.data.reward_fn", spec: str | None = None,
-               timeout_s: float | None = None) -> RewardFn:
+               timeout_s: float | None = None) -> RewardCaller:
     """Wrap ``fn`` as ``(prompts, completions, answers) -> list[float]`` that keeps the reward contract
     (:mod:`dsrl.rl.rewards.contract`: numbers, one per completion, each call within ``timeout_s``).
 
     ``fn`` is called once per sample when it is per-sample (see :func:`_is_per_sample`), else once
     per batch. NaN is allowed (the sample is then masked out).
     """
-    from dsrl.rl.rewards.contract import RewardCaller
-
     return RewardCaller(fn, _is_per_sample(fn), field_name, spec=spec, timeout_s=timeout_s)
 
 
-def load_reward_fn(data_cfg: DataConfig) -> RewardFn | None:
+def load_reward_fn(data_cfg: DataConfig) -> RewardCaller | None:
     """The run's reward function: ``data.reward_fn`` when set; else, without an environment, the built-in task's
     partial-credit reward; else None (an environment's episodes give the rule reward,
     :mod:`dsrl.rl.episodes.driver`)."""
@@ -96,7 +95,7 @@ def load_reward_fn(data_cfg: DataConfig) -> RewardFn | None:
     return as_batched(get_task(data_cfg.task).rewards, timeout_s=data_cfg.reward_timeout_s)
 
 
-def load_accuracy_fn(data_cfg: DataConfig) -> RewardFn | None:
+def load_accuracy_fn(data_cfg: DataConfig) -> RewardCaller | None:
     """Exact-match accuracy of the built-in task (1.0 / 0.0 per sample), or None for a file."""
     if not data_cfg.task or data_cfg.path:
         return None

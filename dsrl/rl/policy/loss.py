@@ -7,20 +7,24 @@ bonus, the router's load-balancing term -- is aggregated exactly like the surrog
 
 The log-probs and the entropy come from one forward through the fused output head
 (:func:`dsrl.rl.policy.logprobs.forward_logprobs`); under routing replay the micro-batch's recorded routes are
-forced before it and stay forced for its backward (the trainer releases them after the step).
+forced before it and stay forced for its backward (the actor releases them after the step, :mod:`dsrl.rl.policy.actor`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsrl.algos import ResolvedAlgorithm
 from dsrl.algos.losses import clipped_policy_loss, kl_estimate, sequence_clipped_policy_loss, sequence_index
 from dsrl.config import AlgorithmConfig
 from dsrl.rl.policy.logprobs import forward_logprobs
+
+if TYPE_CHECKING:
+    from dsrl.rl.policy.moe import PolicyRouting
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,12 @@ class PolicyLoss:
     policy's routing duties (:class:`dsrl.rl.policy.moe.PolicyRouting`), None for a dense one."""
 
     algorithm: AlgorithmConfig
-    algo: Any
+    algo: ResolvedAlgorithm
     temperature: float
     with_reference: bool
-    moe: Any = None
+    moe: PolicyRouting | None = None
 
-    def __call__(self, engine: Any, micro: dict[str, Any],
+    def __call__(self, engine: torch.nn.Module, micro: dict[str, Any],
                  load: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a, algo, moe = self.algorithm, self.algo, self.moe
         if moe is not None and moe.replay:
