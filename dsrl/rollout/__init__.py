@@ -13,15 +13,22 @@ May import: :mod:`dsrl.config`, :mod:`dsrl.core`, :mod:`dsrl.algos`; never :mod:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dsrl.config import RolloutConfig
 from dsrl.config.names import AUTO_BACKEND, CB_BACKEND, HF_BACKEND
-from dsrl.rollout.base import Completion, RolloutBackend
+from dsrl.rollout.base import Completion, GenerationPolicy, RolloutBackend
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from dsrl.rollout.cb import CallBounds
 
 __all__ = ["Completion", "RolloutBackend", "make_backend"]
 
 
-def make_backend(rollout_cfg: Any, engine: Any, tokenizer: Any, *, bounds: Any = None, **kwargs: Any) -> RolloutBackend:
+def make_backend(rollout_cfg: RolloutConfig, engine: GenerationPolicy, tokenizer: PreTrainedTokenizerBase, *,
+                 bounds: CallBounds | None = None, **kwargs: Any) -> RolloutBackend:
     """The backend named by ``rollout.backend`` (:data:`dsrl.config.names.ROLLOUT_BACKENDS`, validated by the
     config): ``hf`` (transformers generate on the policy), ``cb`` (transformers continuous batching on the
     policy), ``auto`` (per call one of these two, see :mod:`dsrl.rollout.auto`) or ``vllm`` (a vLLM engine;

@@ -31,14 +31,18 @@ parameters exactly once per call, so ranks that choose differently still issue t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsrl.config import RolloutConfig
 from dsrl.config.names import CB_BACKEND, HF_BACKEND
-from dsrl.rollout.base import Completion, RolloutBackend
+from dsrl.rollout.base import Completion, GenerationPolicy, RolloutBackend
 from dsrl.rollout.cb import CallBounds, ContinuousBatchingBackend, concurrency, is_flash, num_parameters
 from dsrl.rollout.hf import HFRolloutBackend
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CPU_SMALL_MODEL_PARAMETERS = 1_000_000
 CPU_SMALL_MODEL_MAX_CB_CONCURRENCY = 256
@@ -68,7 +72,8 @@ class AutoRolloutBackend(RolloutBackend):
     when continuous batching is unavailable (an older transformers, a policy that is not a transformers
     model)."""
 
-    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any, bounds: CallBounds | None = None):
+    def __init__(self, engine_or_module: GenerationPolicy, tokenizer: PreTrainedTokenizerBase,
+                 rollout_cfg: RolloutConfig, bounds: CallBounds | None = None):
         self.hf = HFRolloutBackend(engine_or_module, tokenizer, rollout_cfg)
         try:
             self.cb: ContinuousBatchingBackend | None = ContinuousBatchingBackend(engine_or_module, tokenizer,

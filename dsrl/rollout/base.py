@@ -27,9 +27,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-from dsrl.config import ConfigError
+import torch
+
+from dsrl.config import ConfigError, RolloutConfig
+from dsrl.core.forwards import PolicyForwards
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# What a backend generates with: a training wrapper's policy (dsrl.core.forwards.PolicyForwards: an RLEngine) or a
+# plain module (a generator rank's own copy, a test's model).
+GenerationPolicy: TypeAlias = "PolicyForwards | torch.nn.Module"
 
 
 @dataclass
@@ -81,7 +91,7 @@ class RolloutBackend(ABC):
         """Release what the backend holds beyond the policy (an engine, its memory); called once at the end."""
 
 
-def eos_ids(tokenizer: Any, model: Any = None) -> list[int]:
+def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None) -> list[int]:
     """The end-of-sequence token ids: the tokenizer's, else the model's generation config's."""
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None and model is not None:
@@ -92,12 +102,13 @@ def eos_ids(tokenizer: Any, model: Any = None) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def stop_token_ids(tokenizer: Any, model: Any, rollout_cfg: Any) -> list[int]:
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None,
+                   rollout_cfg: RolloutConfig) -> list[int]:
     """The ids that end a completion: the eos ids (:func:`eos_ids`, first) and then the one token of each of
     ``rollout.stop_strings``. A stop string that is not exactly one token is a ConfigError (a stop token keeps
     generation token-exact: no completion is ever cut inside a token or re-tokenized)."""
     ids = eos_ids(tokenizer, model)
-    for text in getattr(rollout_cfg, "stop_strings", None) or []:
+    for text in rollout_cfg.stop_strings or []:
         encoded = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(encoded) != 1:
             raise ConfigError(

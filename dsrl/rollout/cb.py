@@ -61,17 +61,21 @@ import inspect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos
+from dsrl.config import RolloutConfig
+from dsrl.rollout.base import Completion, GenerationPolicy, RolloutBackend, cut_at_eos
 from dsrl.rollout.cb_routes import PackedRoutes
 from dsrl.rollout.cb_session import Session, capture_hint, warmup_or_raise
 from dsrl.rollout.hf import HFRolloutBackend
 from dsrl.rollout.policy import gathered_for_generation, neutral_generation_config
 from dsrl.rollout.varlen_attention import VARLEN_ATTENTION, check_flash_kernel, uses_flash_kernel
 from dsrl.rollout.varlen_attention import register as register_varlen_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 FLASH_PAGE_SIZE = 256  # transformers' default; flash-attn's paged kernels want multiples of 256
 DENSE_MASK_PAGE_SIZE = 32  # sdpa/eager: the mask grows with the cache tokens, so keep pages tight
@@ -226,7 +230,8 @@ class ContinuousBatchingBackend(RolloutBackend):
     bounds the prompts whose samples decode at once (:func:`cache_geometry`).
     """
 
-    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any, bounds: CallBounds | None = None):
+    def __init__(self, engine_or_module: GenerationPolicy, tokenizer: PreTrainedTokenizerBase,
+                 rollout_cfg: RolloutConfig, bounds: CallBounds | None = None):
         try:
             import transformers
             from transformers import ContinuousBatchingConfig
@@ -262,7 +267,7 @@ class ContinuousBatchingBackend(RolloutBackend):
             c = self.bounds.sequences
         model_attn = self._attn if self._session is not None else self.module.config._attn_implementation
         return cb_attention_implementation(
-            getattr(self.cfg, "cb_attention", "auto"), model_attn, self._hf.device,
+            self.cfg.cb_attention, model_attn, self._hf.device,
             next(self.module.parameters()).dtype, self._num_params, c)
 
     def continuous_batching_config(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,

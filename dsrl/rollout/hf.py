@@ -41,12 +41,13 @@ that does not fit, lower ``generation_batch_size`` or use the vLLM backend.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, stop_token_ids
+from dsrl.config import RolloutConfig
+from dsrl.rollout.base import Completion, GenerationPolicy, RolloutBackend, cut_at_eos, stop_token_ids
 from dsrl.rollout.policy import (
     TensorPeersStop,
     gathered_for_generation,
@@ -55,6 +56,9 @@ from dsrl.rollout.policy import (
     unwrap,
 )
 from dsrl.rollout.routes import MoERouting, generation_routes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class HFRolloutBackend(RolloutBackend):
@@ -65,7 +69,8 @@ class HFRolloutBackend(RolloutBackend):
     means greedy decoding. See the module docstring for the ZeRO-3 contract and memory cost.
     """
 
-    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any):
+    def __init__(self, engine_or_module: GenerationPolicy, tokenizer: PreTrainedTokenizerBase,
+                 rollout_cfg: RolloutConfig):
         self.module, self.policy = unwrap(engine_or_module)
         self.cfg = rollout_cfg
         self.eos = stop_token_ids(tokenizer, self.module, rollout_cfg)

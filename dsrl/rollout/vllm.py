@@ -49,15 +49,18 @@ import os
 import random
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from dsrl.config import ConfigError
+from dsrl.config import ConfigError, RolloutConfig
 from dsrl.core.seeds import derived_seed
-from dsrl.rollout.base import Completion, RolloutBackend, cut_at_eos, stop_token_ids
+from dsrl.rollout.base import Completion, GenerationPolicy, RolloutBackend, cut_at_eos, stop_token_ids
 from dsrl.rollout.policy import gathered_for_generation, generation_weights, unwrap
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("dsrl.rollout.vllm")
 INSTALL_HINT = ("rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: pip install 'dsrl[vllm]' on a "
@@ -168,7 +171,8 @@ class VLLMRolloutBackend(RolloutBackend):
     engine's dtype name, default the policy's. ``llm_kwargs`` go to ``vllm.LLM``.
     """
 
-    def __init__(self, engine_or_module: Any, tokenizer: Any, rollout_cfg: Any, *, max_model_len: int,
+    def __init__(self, engine_or_module: GenerationPolicy, tokenizer: PreTrainedTokenizerBase,
+                 rollout_cfg: RolloutConfig, *, max_model_len: int,
                  samples_per_prompt: int = 16, seed: int = 0, dtype: str | None = None, **llm_kwargs: Any):
         vllm = import_vllm()
         import torch.distributed as dist
