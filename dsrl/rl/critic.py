@@ -95,7 +95,7 @@ def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gp
         raise ConfigError(f"the critic's run file (the policy's with dsrl.critic swapped in): {e}") from None
 
 
-def build_value_model(cfg: Config, tokenizer: Any, on_gpu: bool, seed: int) -> torch.nn.Module:
+def build_value_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, on_gpu: bool, seed: int) -> torch.nn.Module:
     """``AutoModelForTokenClassification(num_labels=1)`` from ``critic.path``, else ``model.path``, else the
     tiny model of ``model.arch``/``model.tiny`` (seeded like the policy); head dropout off, train mode."""
     from transformers import AutoConfig, AutoModelForTokenClassification
@@ -128,7 +128,7 @@ def build_value_model(cfg: Config, tokenizer: Any, on_gpu: bool, seed: int) -> t
     return model
 
 
-def forward_values(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+def forward_values(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
     """V(s_t) at every position of a collated micro-batch, ``[b, t]`` float32 (padded or packed rows)."""
     out = model(input_ids=micro["input_ids"], attention_mask=micro.get("attention_mask"),
                 position_ids=micro["position_ids"], use_cache=False)
@@ -160,7 +160,8 @@ class Critic:
         the same number of forwards."""
         return self.rl.forward_no_grad(micro_batches, forward_values)
 
-    def loss_fn(self, model: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(self, model: torch.nn.Module,
+                micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token clipped value loss and metrics (the new values, the returns, the clip indicator)."""
         values = forward_values(model, micro)
         loss, m = clipped_value_loss(values, micro["old_values"], micro["returns"], self.value_clip)
@@ -178,7 +179,7 @@ class Critic:
     def begin_rollout(self) -> None:
         self.results = []
 
-    def train_mini_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> Any:
+    def train_mini_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One exact optimizer step of the critic over the same micro-batches the policy steps on (timed in
         ``step_s``, kept for :meth:`rollout_metrics`)."""
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -17,6 +17,11 @@ from dsrl.algos.correction import Mismatch
 from dsrl.core.collectives import all_reduce_floats
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.episodes.trajectory import MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT
+
+if TYPE_CHECKING:
+    import torch
+
+    from dsrl.rl.policy.moe import RouteMismatch
 
 
 @dataclass
@@ -107,7 +112,7 @@ class RolloutStats:
         self.staleness_sum += sum(ages)
         self.staleness_max = max([self.staleness_max, *ages])
 
-    def add_route_mismatch(self, m: Any) -> None:
+    def add_route_mismatch(self, m: RouteMismatch) -> None:
         """A :class:`dsrl.rl.policy.moe.RouteMismatch` of this rank's samples."""
         self.moe_policy = 1.0
         self.route_pairs += m.pairs
@@ -125,7 +130,7 @@ class RolloutStats:
         self.is_truncated += m.truncated
         self.is_masked += m.masked
 
-    def summed(self, device: Any = "cpu") -> RolloutStats:
+    def summed(self, device: torch.device | str = "cpu") -> RolloutStats:
         """The fields summed over every rank (one all-reduce), the ``*_max`` fields maximised (a second one)."""
         names = [f.name for f in fields(self) if not f.name.endswith("_max")]
         maxima = [f.name for f in fields(self) if f.name.endswith("_max")]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,11 @@ from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import my_micro_batches
 from dsrl.rl.policy.logprobs import forward_logprobs
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from dsrl.backends.deepspeed.engine import RLEngine
+
 
 class SupervisedWarmup:
     """The ``dsrl.sft`` phase (module docstring): ``policy`` (the RLEngine) takes ``sft.steps`` exact steps on
@@ -47,7 +52,8 @@ class SupervisedWarmup:
     column, the environment and its chat template), ``rollout`` (the length limits, the stop tokens) and the run's
     ``seed``."""
 
-    def __init__(self, sft: SftConfig, plan: BatchPlan, policy: Any, tokenizer: Any, prompts: PromptSource, *,
+    def __init__(self, sft: SftConfig, plan: BatchPlan, policy: RLEngine, tokenizer: PreTrainedTokenizerBase,
+                 prompts: PromptSource, *,
                  data: DataConfig, rollout: RolloutConfig, seed: int):
         self.sft, self.data, self.rollout, self.seed = sft, data, rollout, seed
         self.plan, self.policy, self.pad_id = plan, policy, tokenizer.pad_token_id
@@ -70,7 +76,7 @@ class SupervisedWarmup:
         eos = tokenizer.eos_token_id
         self.pairs = [(list(p), (list(a) + [eos])[:limit]) for p, a in zip(prompt_ids, answers)]
 
-    def _demonstrations(self, tokenizer: Any, pool: list[int], records: list[dict],
+    def _demonstrations(self, tokenizer: PreTrainedTokenizerBase, pool: list[int], records: list[dict],
                         prompt_ids: list[list[int]]) -> Callable[[int], Sample]:
         """``i -> the reference trajectory of pool entry i`` as a sample (module docstring)."""
         from dsrl.rl.episodes.driver import demonstration

@@ -24,10 +24,13 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from dsrl.rl.data.batching import Sample
 
 _LEN = struct.Struct("<I")
 _INT32 = np.iinfo(np.int32)
@@ -53,7 +56,7 @@ def _list_array(values: list) -> np.ndarray | None:
     return None
 
 
-def encode_sample(sample: Any) -> bytes:
+def encode_sample(sample: Sample) -> bytes:
     """``sample`` (a dataclass instance) as bytes; see the module docstring for the layout."""
     if not dataclasses.is_dataclass(sample) or isinstance(sample, type):
         raise TypeError(f"encode_sample needs a dataclass instance, got {type(sample).__name__}")
@@ -84,7 +87,7 @@ def encode_sample(sample: Any) -> bytes:
     return b"".join([_LEN.pack(len(header)), header, *chunks])
 
 
-def decode_sample(data: bytes | bytearray | memoryview | np.ndarray) -> Any:
+def decode_sample(data: bytes | bytearray | memoryview | np.ndarray) -> Sample:
     """The dataclass instance :func:`encode_sample` turned into ``data``."""
     view = memoryview(data).cast("B")
     (n,) = _LEN.unpack_from(view, 0)

@@ -31,7 +31,7 @@ view.data_parallel_size`` their number (:class:`dsrl.core.parallel.ParallelView`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from dsrl.core.parallel import ParallelView
 from dsrl.core.partition import mini_batches, partition_mini_batch
 from dsrl.core.plan import BatchPlan
-from dsrl.rl.data.batching import collate, collate_packed
+from dsrl.rl.data.batching import Sample, collate, collate_packed
 from dsrl.rl.data.codec import decode_sample, encode_sample
 
 T = TypeVar("T")
@@ -78,8 +78,9 @@ def my_part(view: ParallelView, per_replica: Sequence[T]) -> T:
     return per_replica[view.data_parallel_rank]
 
 
-def my_micro_batches(samples: Any, per_replica: Sequence[list[list[int]]], view: ParallelView, pad_id: int,
-                     device: Any, packed: bool = False) -> list[dict[str, torch.Tensor]]:
+def my_micro_batches(samples: Mapping[int, Sample] | Sequence[Sample], per_replica: Sequence[list[list[int]]],
+                     view: ParallelView, pad_id: int, device: torch.device | str,
+                     packed: bool = False) -> list[dict[str, torch.Tensor]]:
     """This rank's collated micro-batches of one partitioned mini-batch (``samples[i]`` is sample ``i``;
     padded rows, or packed ones with ``packed``), empty micro-batches left out (rule 4)."""
     make = collate_packed if packed else collate
@@ -189,7 +190,7 @@ class RolloutIndex:
                     out.setdefault((s, r), []).append(i)
         return out
 
-    def exchange(self, partitions: Sequence[Partition], device: Any = "cpu") -> dict[int, Any]:
+    def exchange(self, partitions: Sequence[Partition], device: torch.device | str = "cpu") -> dict[int, Sample]:
         """Collective over all ranks: ``{sample index: sample}`` for every sample this rank's replica
         trains on in ``partitions`` (nothing else), after one all-to-all of encoded samples on
         ``device`` (the default process group's device: CUDA under NCCL). Its own samples stay put."""
@@ -224,8 +225,8 @@ class RolloutIndex:
         return have
 
 
-def rollout_micro_batches(local: Sequence[Any], view: ParallelView, plan: BatchPlan, seed: int, shuffle: bool,
-                          pad_id: int, device: Any) -> Iterator[list[dict[str, torch.Tensor]]]:
+def rollout_micro_batches(local: Sequence[Sample], view: ParallelView, plan: BatchPlan, seed: int, shuffle: bool,
+                          pad_id: int, device: torch.device | str) -> Iterator[list[dict[str, torch.Tensor]]]:
     """This rank's micro-batches of each of a rollout's ``E * R / B`` mini-batches, in training order (one
     optimizer step each).
 

@@ -215,8 +215,9 @@ class EpisodeRunner:
 # -------------------------------------------------------------------------------------------- demonstrations
 
 
-def demonstration(env: EnvironmentCaller, tokenizer: Any, encoder: ObservationEncoder, stop_ids: list[int],
-                  record: dict, prompt_ids: list[int], max_tokens: int, label: int = 0) -> Trajectory:
+def demonstration(env: EnvironmentCaller, tokenizer: PreTrainedTokenizerBase, encoder: ObservationEncoder,
+                  stop_ids: list[int], record: dict, prompt_ids: list[int], max_tokens: int,
+                  label: int = 0) -> Trajectory:
     """The reference trajectory of one prompt for the supervised warm-up: the factory's
     ``demonstration(prompt, answer)`` gives the model turns as text; each is tokenized (eos appended unless it
     ends with a stop token), stepped through a fresh episode like a rollout's turn, and the observations are

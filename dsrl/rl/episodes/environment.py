@@ -40,13 +40,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dsrl.config import ConfigError, DataConfig
 from dsrl.rl.rewards.contract import _CallTimeout, _short, as_reward, time_limit
 from dsrl.runtime.watchdog import note
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("dsrl.environment")
 FIELD = "dsrl.data.environment"
@@ -188,7 +191,7 @@ class ObservationEncoder:
 
     ROLE = "tool"
 
-    def __init__(self, tokenizer: Any, chat_template: bool):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: bool):
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self._before: str | None = None
 

@@ -25,11 +25,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsrl.config import ConfigError
+from dsrl.config import ConfigError, LoraConfig
+
+if TYPE_CHECKING:
+    from dsrl.backends.deepspeed.engine import RLEngine
 
 INSTALL_HINT = ("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: pip install 'dsrl[lora]' "
                 "(peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every parameter.")
@@ -45,7 +48,7 @@ def import_peft() -> Any:
     return peft
 
 
-def peft_config(lora: Any, *, dropout: float | None = None, task_type: str | None = "CAUSAL_LM") -> Any:
+def peft_config(lora: LoraConfig, *, dropout: float | None = None, task_type: str | None = "CAUSAL_LM") -> Any:
     """PEFT's ``LoraConfig`` for a :class:`dsrl.config.LoraConfig` (``dropout`` overrides its dropout: the
     exactness check runs with 0, where a random mask could not be reproduced by its reference)."""
     peft = import_peft()
@@ -54,7 +57,7 @@ def peft_config(lora: Any, *, dropout: float | None = None, task_type: str | Non
                            task_type=task_type)
 
 
-def _check_tied(model: torch.nn.Module, lora: Any) -> None:
+def _check_tied(model: torch.nn.Module, lora: LoraConfig) -> None:
     config = getattr(model, "config", None)
     if not getattr(config, "tie_word_embeddings", False):
         return
@@ -67,7 +70,7 @@ def _check_tied(model: torch.nn.Module, lora: Any) -> None:
                           "tied embeddings.")
 
 
-def apply_lora(model: torch.nn.Module, lora: Any, *, seed: int = 0, dropout: float | None = None,
+def apply_lora(model: torch.nn.Module, lora: LoraConfig, *, seed: int = 0, dropout: float | None = None,
                task_type: str | None = "CAUSAL_LM", base_path: str | None = None) -> torch.nn.Module:
     """``model`` wrapped by PEFT with ``lora``'s adapters (module docstring); the base weights are frozen.
 
@@ -104,7 +107,7 @@ class AdaptersDisabled:
     :meth:`dsrl.backends.deepspeed.engine.RLEngine.forward_no_grad` (eval mode, no gradients, the same number of
     forwards on every rank) inside PEFT's ``disable_adapter()``; the adapters are enabled again after."""
 
-    def __init__(self, policy: Any):
+    def __init__(self, policy: RLEngine):
         if not is_lora_model(policy):
             raise TypeError("AdaptersDisabled needs an engine whose module is a PEFT model (dsrl.model.lora)")
         self.policy = policy

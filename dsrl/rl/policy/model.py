@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dsrl.config import ModelConfig
 from dsrl.config.names import MOE_TINY_ARCHS
 
 TINY_DEFAULTS: dict[str, Any] = {
@@ -76,7 +77,7 @@ def tiny_config(arch: str, vocab_size: int, pad_token_id: int | None, bos_token_
 
 
 def build_model(
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     vocab_size: int,
     pad_token_id: int | None,
     bos_token_id: int | None,

@@ -9,9 +9,12 @@ local Hugging Face cache).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dsrl.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DSRL_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dsrl/rl/policy/ -> dsrl/
 TINY_TOKENIZER_PATH = os.path.join(DSRL_DIR, "assets", "tiny_tokenizer")
@@ -26,7 +29,7 @@ def tokenizer_source(model_cfg: ModelConfig) -> tuple[str, str]:
     return TINY_TOKENIZER_PATH, "the built-in tiny tokenizer"
 
 
-def load_tokenizer(model_cfg: ModelConfig, padding_side: str = "left") -> Any:
+def load_tokenizer(model_cfg: ModelConfig, padding_side: str = "left") -> PreTrainedTokenizerBase:
     """Load the run's tokenizer offline; ensure a pad token and set ``padding_side``.
 
     Returns a ``transformers.PreTrainedTokenizerBase``. Raises :class:`ConfigError` naming the field

@@ -19,18 +19,24 @@ The reward of a sample is ``data.reward_model_weight * score + data.rule_reward_
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dsrl.backends.deepspeed.frozen import equal_forwards, frozen_engine
 from dsrl.config import ConfigError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from dsrl.backends.deepspeed.engine import RLEngine
+
 
 class RewardModel:
     """Scores token sequences with a sequence-classification model (module docstring)."""
 
-    def __init__(self, model: Any, head: torch.nn.Module, pad_id: int, micro_batch_size: int, device: Any):
+    def __init__(self, model: torch.nn.Module, head: torch.nn.Module, pad_id: int, micro_batch_size: int,
+                 device: torch.device):
         self.model, self.pad_id, self.micro_batch_size, self.device = model, pad_id, micro_batch_size, device
         self._per_position: torch.Tensor | None = None
         head.register_forward_hook(self._capture)
@@ -40,7 +46,8 @@ class RewardModel:
         self._per_position = output
 
     @classmethod
-    def load(cls, path: str, tokenizer: Any, rl: Any, *, on_gpu: bool, micro_batch_size: int) -> RewardModel:
+    def load(cls, path: str, tokenizer: PreTrainedTokenizerBase, rl: RLEngine, *, on_gpu: bool,
+             micro_batch_size: int) -> RewardModel:
         """Load ``path`` (``dsrl.data.reward_model``) and place it like the policy engine ``rl``."""
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -100,7 +107,7 @@ class RewardModel:
         return [float(x) for out in outs for x in out.tolist()]
 
 
-def save_tiny_reward_model(path: str, tokenizer: Any, arch: str = "qwen2", seed: int = 0,
+def save_tiny_reward_model(path: str, tokenizer: PreTrainedTokenizerBase, arch: str = "qwen2", seed: int = 0,
                            overrides: dict[str, Any] | None = None) -> str:
     """Write a tiny random-init ``AutoModelForSequenceClassification`` (num_labels 1) and ``tokenizer`` to
     ``path`` with ``save_pretrained`` (built from a config: no download). Returns ``path``."""
