@@ -70,12 +70,9 @@ from dsrl.cli.check_objectives import (
     reference_per_token_loss,
 )
 from dsrl.cli.check_trajectories import trajectory_sequences
+from dsrl.cli.reference import mini_batch_loss
 from dsrl.config.names import (
     LOSS_AGG_MODES,
-    SEQ_MEAN_TOKEN_MEAN,
-    SEQ_MEAN_TOKEN_SUM,
-    SEQ_MEAN_TOKEN_SUM_NORM,
-    TOKEN_MEAN,
 )
 from dsrl.core.logprobs import LOGPROB_MASK
 
@@ -215,8 +212,9 @@ def split_for_rank(seqs: list[dict], world: int, rank: int, how: str) -> list[li
 def reference_gradient(model: torch.nn.Module, seqs: list[dict], loss_agg: str,
                        loss_agg_norm_length: int, objective: str = "policy",
                        moe: MoESettings | None = None) -> dict[str, torch.Tensor]:
-    """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition; with
-    ``moe`` active, MoE blocks computed from theirs with the forced routes, plus the load-balancing term."""
+    """float64 gradient of the mini-batch loss by parameter name, each mode computed from its definition
+    (:func:`dsrl.cli.reference.mini_batch_loss`); with ``moe`` active, MoE blocks computed from theirs with the
+    forced routes, plus the load-balancing term."""
     ref = copy.deepcopy(model).double()
     batch = collate(seqs)
     if "reference_mask" in batch:  # multi-turn data: the mask from the definition, not dsrl's
@@ -230,20 +228,7 @@ def reference_gradient(model: torch.nn.Module, seqs: list[dict], loss_agg: str,
             lt = lt + moe.aux_coef * reference_aux(probs, batch, mask, experts, top_k)
     else:
         lt = reference_per_token_loss(ref, batch, objective)
-    n_s = mask.sum(-1)
-    nonempty = n_s > 0
-    if loss_agg == TOKEN_MEAN:
-        loss = (lt * mask).sum() / mask.sum().clamp(min=1)
-    elif loss_agg == SEQ_MEAN_TOKEN_MEAN:
-        per_seq = (lt * mask).sum(-1)[nonempty] / n_s[nonempty]
-        loss = per_seq.mean() if per_seq.numel() else (lt * 0).sum()
-    elif loss_agg == SEQ_MEAN_TOKEN_SUM:
-        per_seq = (lt * mask).sum(-1)[nonempty]
-        loss = per_seq.mean() if per_seq.numel() else (lt * 0).sum()
-    elif loss_agg == SEQ_MEAN_TOKEN_SUM_NORM:
-        loss = (lt * mask).sum() / (len(seqs) * loss_agg_norm_length)
-    else:
-        raise ValueError(loss_agg)
+    loss = mini_batch_loss([lt], [mask], loss_agg, mini_batch_size=len(seqs), norm_length=loss_agg_norm_length)
     loss.backward()
     return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
             for n, p in ref.named_parameters()}

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = ["launch/train.py", "launch/train_megatron.py", "dsrl/check.py", "dsrl/cli/check.py",
                 *sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "workers").glob("*.py")
                         if p.name not in ("megatron_common.py", "megatron_cp.py", "device_traffic.py")),
-                "bench/overhead.py", "bench/throughput.py", "bench/checkpoint_costs.py", "bench/megatron_cp_gpu.py"]
+                "bench/overhead.py", "bench/throughput.py", "bench/checkpoint_costs.py", "dsrl/cli/check_megatron.py"]
 
 
 def _main_block_calls_leave(source: str) -> bool:

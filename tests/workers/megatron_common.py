@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from dsrl.algos.losses import clipped_policy_loss
-from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighted_sum
+from dsrl.cli.check_measures import relative_error as relative_error
+from dsrl.cli.reference import reference_gradient
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, MAX_POS = 64, 32, 4, 2, 16, 32
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
@@ -118,40 +119,16 @@ def ppo_loss(output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict[str, to
     return loss, {"ratio": info["ratio"]}
 
 
-def global_counts_of(all_micros: list[dict]) -> GlobalCounts:
-    tok = seq = 0
-    for mb in all_micros:
-        t, s = local_counts(mb)
-        tok, seq = tok + t, seq + s
-    return GlobalCounts(tokens=tok, sequences=seq)
-
-
 def reference_grads(model: torch.nn.Module, all_micros: list[dict], mode: str, forward: Any, loss: Any,
                     mini_batch_size: int) -> dict[str, torch.Tensor]:
-    """grad of L_M = sum_t w_t l_t over every micro-batch of every replica, one process, float64."""
-    model.zero_grad(set_to_none=True)
-    counts = global_counts_of(all_micros)
-    total = torch.zeros((), dtype=torch.float64)
-    for mb in all_micros:
-        out = loss(forward(model, mb), mb)
-        per_token = out[0] if isinstance(out, tuple) else out
-        w = token_weights(mode, mb, counts, mini_batch_size=mini_batch_size, loss_agg_norm_length=NORM_LENGTH)
-        total = total + weighted_sum(per_token.double(), w, mb["loss_mask"])
-    total.backward()
-    return {n: p.grad.detach().double().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64)
-            for n, p in model.named_parameters()}
+    """grad of the mini-batch loss over every micro-batch of every replica, one process, float64, from its definition
+    (:func:`dsrl.cli.reference.reference_gradient`)."""
+    def per_token(m: torch.nn.Module, mb: dict) -> torch.Tensor:
+        out = loss(forward(m, mb), mb)
+        return out[0] if isinstance(out, tuple) else out
 
-
-def relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """max over parameter tensors of ||g - g_ref|| / ||g_ref|| (absolute when g_ref = 0)."""
-    if set(got) != set(ref):
-        raise AssertionError(f"parameter names differ: {sorted(set(got) ^ set(ref))[:6]}")
-    worst = 0.0
-    for name, r in ref.items():
-        err = (got[name].double() - r).norm().item()
-        denom = r.norm().item()
-        worst = max(worst, err / denom if denom > 0 else err)
-    return worst
+    return reference_gradient(model, all_micros, per_token, mode, mini_batch_size=mini_batch_size,
+                              norm_length=NORM_LENGTH)
 
 
 def ratio_to_reference(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

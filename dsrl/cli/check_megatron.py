@@ -1,14 +1,15 @@
 """dsrl's Megatron step on GPUs: gradient exactness against a float64 reference, and the real CP path.
 
-    torchrun --nproc_per_node 1 bench/megatron_cp_gpu.py            # 1 GPU: fp32 and bf16, TP=PP=CP=1
-    torchrun --nproc_per_node 2 bench/megatron_cp_gpu.py --cp 2     # 2 GPUs + Transformer Engine: CP=2
-    python bench/megatron_cp_gpu.py --cpu-dry-run                   # no GPU: the fp32 path on CPU (gloo)
+    torchrun --nproc_per_node 1 -m dsrl.cli.check_megatron            # 1 GPU: fp32 and bf16, TP=PP=CP=1
+    torchrun --nproc_per_node 2 -m dsrl.cli.check_megatron --cp 2     # 2 GPUs + Transformer Engine: CP=2
+    python -m dsrl.cli.check_megatron --cpu-dry-run                   # no GPU: the fp32 path on CPU (gloo)
 
 What runs (and what is skipped, with the reason, printed at the end):
 
 1. ``fp32``: GPTModel (local spec) in fp32 with TF32 off, NCCL, one rank. dsrl's step with 3
    micro-batches of uneven lengths, both reduction conventions, all four loss_agg modes; the DDP's
-   finalized gradient vs a float64 copy of the model over the unsplit mini-batch. Expect ~1e-6.
+   finalized gradient vs a float64 copy of the model over the unsplit mini-batch (the reference of
+   :mod:`dsrl.cli.reference`, shared with ``dsrl.check`` and the tests). Expect ~1e-6.
 2. ``bf16``: the same with ``bf16=True`` (Float16Module, fp32 grad reduction); the reference uses the
    bf16-rounded weights in float64. dsrl's error is bf16 rounding noise; the common naive recipe
    (mean of micro-batch means) is printed next to it to show what a structural error looks like.
@@ -17,7 +18,8 @@ What runs (and what is skipped, with the reason, printed at the end):
    2*cp chunks, whole-sequence n_s); the reference is a CP=1 copy with the same weights.
 
 megatron-core is imported from the environment; on a machine without it, put the wheel (or the
-``megatron`` package directory) on PYTHONPATH. Prints one line per case and ``max relative
+``megatron`` package directory) on PYTHONPATH. The CPU dry run uses the checkout's ``launch/megatron_cpu_shim.py``.
+Prints one line per case and ``max relative
 gradient error <case>: <float>`` lines, and exits non-zero if an exact-path case exceeds its tolerance.
 """
 
@@ -32,11 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from dsrl.cli.check_measures import relative_error
+from dsrl.cli.reference import reference_gradient
+from dsrl.config.names import LOSS_AGG_MODES
 
-from dsrl.config.names import LOSS_AGG_MODES  # noqa: E402
-from dsrl.core.weights import GlobalCounts, local_counts, token_weights, weighted_sum  # noqa: E402
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the shim's checkout
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 256, 128, 4, 2, 64
 TOL = {"fp32": 1e-5, "bf16": 3e-2, "cp2": 3e-2}
@@ -44,7 +46,7 @@ TOL = {"fp32": 1e-5, "bf16": 3e-2, "cp2": 3e-2}
 
 def setup(dry: bool) -> torch.device:
     if dry:
-        sys.path.insert(0, os.path.join(REPO, "launch"))
+        sys.path.insert(0, os.path.join(CHECKOUT, "launch"))
         import megatron_cpu_shim  # CPU-only shim for a dry run
 
         megatron_cpu_shim.install()
@@ -134,7 +136,8 @@ def _inner(ddp: Any) -> torch.nn.Module:
 
 
 def reference(ddp_or_params: Any, micros: list[dict], mode: str, naive: bool = False, te: bool = False) -> dict:
-    """float64 grad of L_M (or of the naive mean of micro-batch token means) at the same weights."""
+    """float64 grad of the mini-batch loss (:mod:`dsrl.cli.reference`; or, ``naive``, of the mean of micro-batch
+    token means: the common wrong recipe, for contrast) at the same weights."""
     params = ({n: p.detach() for n, p in _inner(ddp_or_params).named_parameters()}
               if not isinstance(ddp_or_params, dict) else ddp_or_params)
     # No DDP here: its grad hooks move .grad into main_grad. TE runs the CP=1 reference in fp32.
@@ -143,36 +146,23 @@ def reference(ddp_or_params: Any, micros: list[dict], mode: str, naive: bool = F
         for n, p in model.named_parameters():
             p.copy_(params[n].float())
     model = model.double() if not te else model
-    tok = seq = 0
-    for mb in micros:
-        t, s = local_counts(mb)
-        tok, seq = tok + t, seq + s
-    counts = GlobalCounts(tokens=tok, sequences=seq)
+
+    def per_token(m: Any, mb: dict) -> torch.Tensor:
+        return ppo_loss(gpt_forward(m, mb), mb).double()
+
+    if not naive:
+        rows = sum(x["loss_mask"].shape[0] for x in micros)
+        return reference_gradient(model, micros, per_token, mode, mini_batch_size=rows, norm_length=SEQ)
     total = 0.0
     for mb in micros:
-        per_token = ppo_loss(gpt_forward(model, mb), mb).double()
-        if naive:
-            m = mb["loss_mask"].double()
-            total = total + (per_token * m).sum() / m.sum().clamp(min=1) / len(micros)
-        else:
-            w = token_weights(mode, mb, counts, mini_batch_size=sum(x["loss_mask"].shape[0] for x in micros),
-                              loss_agg_norm_length=SEQ)
-            total = total + weighted_sum(per_token, w.to(per_token.device), mb["loss_mask"])
+        m = mb["loss_mask"].double()
+        total = total + (per_token(model, mb) * m).sum() / m.sum().clamp(min=1) / len(micros)
     total.backward()
     return {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def grads(ddp: Any) -> dict[str, torch.Tensor]:
     return {n: p.main_grad.detach().double().clone() for n, p in _inner(ddp).named_parameters()}
-
-
-def rel_error(got: dict, ref: dict) -> float:
-    worst = 0.0
-    for n, r in ref.items():
-        d = r.norm().item()
-        e = (got[n] - r).norm().item()
-        worst = max(worst, e / d if d > 0 else e)
-    return worst
 
 
 def run_single(kind: str, micros: list[dict], results: list[tuple[str, float, float]]) -> None:
@@ -184,11 +174,11 @@ def run_single(kind: str, micros: list[dict], results: list[tuple[str, float, fl
         for mode in LOSS_AGG_MODES:
             step.loss_agg = mode
             step.train_step(micros, gpt_forward, ppo_loss)
-            err = rel_error(grads(ddp), reference(ddp, micros, mode))
+            err = relative_error(grads(ddp), reference(ddp, micros, mode))
             results.append((f"{kind}/{conv}/{mode}", err, TOL[kind]))
             print(f"max relative gradient error {kind}/{conv}/{mode}: {err:.3e}", flush=True)
         if conv == "per_token":  # the structural error dsrl avoids, at the same precision
-            naive = rel_error(grads(ddp), reference(ddp, micros, "token-mean", naive=True))
+            naive = relative_error(grads(ddp), reference(ddp, micros, "token-mean", naive=True))
             print(f"  (for contrast) naive mean-of-micro-batch-means vs dsrl token-mean: {naive:.3e}", flush=True)
 
 
@@ -211,7 +201,7 @@ def run_cp2(micros: list[dict], results: list[tuple[str, float, float]]) -> None
         ps.destroy_model_parallel()
         ps.initialize_model_parallel()  # CP=1 reference with the same weights on every rank
         for mode in LOSS_AGG_MODES:
-            err = rel_error(got[mode], reference(params, micros, mode, te=True))
+            err = relative_error(got[mode], reference(params, micros, mode, te=True))
             results.append((f"cp2/{conv}/{mode}", err, TOL["cp2"]))
             if dist.get_rank() == 0:
                 print(f"max relative gradient error cp2/{conv}/{mode}: {err:.3e}", flush=True)
