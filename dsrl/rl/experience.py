@@ -52,6 +52,7 @@ from dsrl.rl.episodes.driver import EpisodeRunner, score_trajectories
 from dsrl.rl.episodes.environment import ObservationEncoder
 from dsrl.rl.episodes.trajectory import model_mask
 from dsrl.rl.policy.logprobs import forward_logprobs
+from dsrl.rl.rewards.contract import reward_columns
 from dsrl.rl.rollout_stats import RolloutStats
 from dsrl.rollout.base import RolloutBackend
 from dsrl.runtime.phases import PhaseClock
@@ -180,12 +181,14 @@ class ExperienceMaker:
         texts = self.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
         prompts_rep = [records[c.prompt_index]["prompt"] for c in completions]
         answers_rep = [records[c.prompt_index].get("answer") for c in completions]
+        columns = reward_columns([records[c.prompt_index] for c in completions])  # the rows' other columns
         rewards = [0.0] * len(completions)
         if r.reward_fn is not None:
-            rewards = [data.rule_reward_weight * float(x) for x in r.reward_fn(prompts_rep, texts, answers_rep)]
+            rule = r.reward_fn(prompts_rep, texts, answers_rep, columns)
+            rewards = [data.rule_reward_weight * float(x) for x in rule]
         if model_scores is not None:
             rewards = [x + data.reward_model_weight * m for x, m in zip(rewards, model_scores)]
-        accs = r.accuracy_fn(prompts_rep, texts, answers_rep) if r.accuracy_fn else [None] * len(texts)
+        accs = r.accuracy_fn(prompts_rep, texts, answers_rep, columns) if r.accuracy_fn else [None] * len(texts)
         groups: list[list[Sample]] = [[] for _ in indices]
         for c, reward, acc in zip(completions, rewards, accs):
             groups[c.prompt_index].append(Sample(

@@ -193,7 +193,7 @@ class Trainer:
         d = self.d
         self.side = RolloutSide(self.cfg, self.on_gpu)
         self.tokenizer = self.side.tokenizer
-        self.prompts = load_prompts(d.data, seed=d.run.seed)
+        self.prompts = load_prompts(d.data, seed=d.run.seed, tokenizer=self.tokenizer)
         reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
         environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes.driver), or None
         _match_deepspeed_precision(self.cfg.ds_config, resolve_dtype(d.model.dtype, self.on_gpu))

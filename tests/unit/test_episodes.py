@@ -28,6 +28,7 @@ from dsrl.rl.episodes.driver import EpisodeRunner, demonstration, score_trajecto
 from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder
 from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, Trajectory
 from dsrl.rl.policy.tokenizer import load_tokenizer
+from dsrl.rl.rewards.functions import as_batched
 from dsrl.rollout.base import Completion, stop_token_ids
 
 TOK = load_tokenizer(ModelConfig())
@@ -147,8 +148,8 @@ def test_scoring_sums_environment_rewards_adds_the_reward_fn_and_measures_the_la
         seen.append(completions)
         return [0.5 for _ in completions]
 
-    groups = score_trajectories([17], [{"prompt": "p", "answer": "42"}], trajs, reward_fn=reward_fn,
-                                accuracy_fn=lambda p, c, a: [float(x == "42") for x in c],
+    groups = score_trajectories([17], [{"prompt": "p", "answer": "42"}], trajs, reward_fn=as_batched(reward_fn),
+                                accuracy_fn=as_batched(lambda p, c, a: [float(x == "42") for x in c]),
                                 data=DataConfig(rule_reward_weight=2.0, reward_model_weight=1.0), version=3,
                                 model_scores=[0.1, 0.1])
     (a, b), = groups

@@ -70,7 +70,7 @@ class GeneratorWorker:
         problem: ConfigError | RunError | None = None
         try:
             self.side = RolloutSide(cfg, on_gpu())  # the same build as the trainers' (dsrl.rl.policy.rollout_side)
-            records = load_prompts(d.data, seed=d.run.seed)
+            records = load_prompts(d.data, seed=d.run.seed, tokenizer=self.side.tokenizer)
             sampler = PromptSampler(len(records), d.batch.prompts_per_rollout, seed=d.run.seed,
                                     last_rollout=d.run.last_rollout)
             self.prompts = PromptSource(records, sampler, self.side.tokenizer, d.data)

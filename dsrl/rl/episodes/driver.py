@@ -48,7 +48,7 @@ from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.replica import share_with_tensor_peers
 from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder, Turn
 from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, Trajectory
-from dsrl.rl.rewards.contract import _short
+from dsrl.rl.rewards.contract import _short, reward_columns
 from dsrl.runtime.phases import PhaseClock
 
 log = logging.getLogger("dsrl.episodes")
@@ -223,13 +223,14 @@ def score_trajectories(indices: list[int], records: list[dict], trajs: list[Traj
     texts = [t.last_text for t in trajs]
     prompts_rep = [records[t.prompt_index]["prompt"] for t in trajs]
     answers_rep = [records[t.prompt_index].get("answer") for t in trajs]
+    columns = reward_columns([records[t.prompt_index] for t in trajs])  # the rows' other columns
     rule = [t.reward for t in trajs]
     if reward_fn is not None:
-        rule = [x + float(y) for x, y in zip(rule, reward_fn(prompts_rep, texts, answers_rep))]
+        rule = [x + float(y) for x, y in zip(rule, reward_fn(prompts_rep, texts, answers_rep, columns))]
     rewards = [data.rule_reward_weight * x for x in rule]
     if model_scores is not None:
         rewards = [x + data.reward_model_weight * m for x, m in zip(rewards, model_scores)]
-    accs = accuracy_fn(prompts_rep, texts, answers_rep) if accuracy_fn else [None] * len(trajs)
+    accs = accuracy_fn(prompts_rep, texts, answers_rep, columns) if accuracy_fn else [None] * len(trajs)
     groups: list[list[Sample]] = [[] for _ in indices]
     for t, reward, acc in zip(trajs, rewards, accs):
         groups[t.prompt_index].append(t.sample(indices[t.prompt_index], reward, acc, version))
