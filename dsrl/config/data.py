@@ -131,8 +131,8 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        """Prompts come from exactly one source, and a file needs `reward_fn`, `reward_model` or `environment` (it
-        has no built-in reward)."""
+        """Prompts come from exactly one source; a built-in task takes no `subset`, `split` or `prompt_template`; a
+        dataset (`path`) needs `reward_fn`, `reward_model` or `environment` (it has no built-in reward)."""
         if self.task and self.path:
             raise ConfigError(
                 f"{self.PATH}.task = {self.task!r} and {self.PATH}.path = {self.path!r} are both set; prompts come "

@@ -119,10 +119,10 @@ class MathVerifier:
                 except BaseException:  # an outer bound or a stop interrupted a request: the child is mid-way
                     self.close()
                     raise
-            for p, ok in found.items():
-                self._cache[p] = ok
-                if len(self._cache) > _CACHE_LIMIT:
-                    self._cache.popitem(last=False)
+                for p, ok in found.items():
+                    self._cache[p] = ok
+                    if len(self._cache) > _CACHE_LIMIT:
+                        self._cache.popitem(last=False)
             out = [found[p] if o is None else o for p, o in zip(pairs, out)]
         return [bool(o) for o in out]
 
