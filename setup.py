@@ -35,8 +35,12 @@ setup(
         # LoRA adapters (dsrl.model.lora, docs/lora.md). Tested: 0.21.2 (the suite and the vLLM tier).
         "lora": ["peft>=0.21,<0.22"],
         "plot": ["matplotlib"],
+        # The built-in "math" reward (dsrl.tasks.verifiable). Tested: 0.9.0, which pins latex2sympy2_extended 1.11.0
+        # (antlr4-python3-runtime 4.9.3-4.13.2, sympy); the "exact" reward needs nothing.
+        "math": ["math-verify>=0.9,<0.10"],
         "test": ["pytest>=8", "ruff", "tensorboard", "megatron-core>=0.16.1,<0.20",
-                 "triton; python_version >= '3.12' and sys_platform == 'linux'", "matplotlib", "peft>=0.21,<0.22"],
+                 "triton; python_version >= '3.12' and sys_platform == 'linux'", "matplotlib", "peft>=0.21,<0.22",
+                 "math-verify>=0.9,<0.10"],
     },
     entry_points={"console_scripts": ["dsrl=dsrl.cli.main:main"]},
 )

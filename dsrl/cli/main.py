@@ -4,6 +4,7 @@ Hugging Face model directory; ``dsrl plot`` draws a run's curves; ``dsrl check``
 ``dsrl plan --ds_config FILE [--world_size N] [--dataset_size M] [--lengths FILE] [--json] [--dsrl.x.y V ...]``
 ``dsrl export RUN_OR_CHECKPOINT_DIR --out DIR [--dtype auto|float32|bfloat16|float16] [--adapter] [--overwrite]``
 ``dsrl plot RUN_DIR [--out FILE.png]``   (needs matplotlib: reward, accuracy, entropy, KL, LR per step)
+``dsrl prepare-data gsm8k --out DIR [--source PATH_OR_HUB_NAME] [--overwrite]``   (the parquet the gsm8k run files read)
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ from dsrl.core.plan import BatchPlan, trainer_world_size
 
 
 def _dataset_size(cfg: Config, given: int | None) -> int | None:
-    """--dataset_size, else the configured prompts' count (built-in task size or rows of the file)."""
+    """--dataset_size, else the configured prompts' count (built-in task size or rows of the dataset); a hub dataset
+    is looked up only when ``run.epochs`` needs its size (a look-up may wait on the network)."""
     if given is not None:
         return given
     try:
         from dsrl.rl.data.prompts import dataset_size
+        from dsrl.rl.data.sources import DatasetSource
 
-        return dataset_size(cfg.dsrl.data)
+        data = cfg.dsrl.data
+        if data.path and cfg.dsrl.run.epochs is None and DatasetSource.of(data).kind() == "hub":
+            return None
+        return dataset_size(data)
     except (ImportError, OSError, ValueError):
         if cfg.dsrl.run.epochs is not None:
             raise  # run.epochs needs the size: the data error (naming its field) is the useful one
@@ -222,13 +228,17 @@ def main(argv: list[str] | None = None) -> int:
             from dsrl.cli.check import main as check_main
 
             return check_main(rest)
+        if cmd == "prepare-data":
+            from dsrl.cli.prepare_data import main as prepare_main
+
+            return prepare_main(rest)
     except ConfigError as e:
         print(f"dsrl: configuration error: {e}", file=sys.stderr)
         return 2
     except RunError as e:
         print(f"dsrl: error: {e}", file=sys.stderr)
         return 1
-    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export', 'plot' or 'check')", file=sys.stderr)
+    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export', 'plot', 'prepare-data' or 'check')", file=sys.stderr)
     return 2
 
 

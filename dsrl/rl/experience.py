@@ -166,6 +166,7 @@ class ExperienceMaker:
         kept = (kept + spare)[:per]  # after the last round, zero-variance groups fill any gap
         timeouts, fillers = self.scorer.take_counts()
         stats.reward_timeouts = counted * timeouts
+        stats.prompts_truncated = counted * self.prompts.take_truncated()
         stats.reward_model_fillers = float(fillers)
         return [s for g in kept for s in g], stats, rounds
 

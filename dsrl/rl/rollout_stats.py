@@ -40,6 +40,7 @@ class RolloutStats:
     groups_generated: float = 0.0
     groups_zero_variance: float = 0.0
     reward_timeouts: float = 0.0  # samples masked because their reward call ran past data.reward_timeout_s
+    prompts_truncated: float = 0.0  # prompts cut to data.max_prompt_tokens (data.prompt_truncation = "left")
     reward_model_fillers: float = 0.0  # reward-model forwards run only to match other ranks' counts (ZeRO-3)
     rollout_s: float = 0.0
     train_s: float = 0.0

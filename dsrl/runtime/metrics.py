@@ -146,6 +146,7 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "response_len": stats.completion_tokens / samples if samples else 0.0,
         "masked_samples": stats.masked_samples,
         "reward_timeouts": stats.reward_timeouts,
+        "prompts_truncated": stats.prompts_truncated,
         "truncated_frac": stats.truncated_samples / samples if samples else 0.0,
         "zero_variance_groups": stats.groups_zero_variance / stats.groups_generated if stats.groups_generated else 0.0,
         "sampling_rounds": float(sampling_rounds),

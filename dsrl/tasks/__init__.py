@@ -1,5 +1,6 @@
-"""Built-in verifiable tasks for the embedded default run (``dsrl.data.task``). May import :mod:`dsrl.config`
-only.
+"""Built-in verifiable tasks for the embedded default run (``dsrl.data.task``), and the built-in verifiable rewards
+for datasets, ``math_reward`` and ``exact_reward`` (``dsrl.data.reward_fn = "math" | "exact"``,
+:mod:`dsrl.tasks.verifiable`). May import :mod:`dsrl.config` only.
 
 Each task makes deterministic ``{"prompt", "answer"}`` pairs and scores decoded completions with
 partial credit (reward in [0, 1]) and exact-match accuracy. All of them use only characters of the
@@ -27,6 +28,7 @@ from dsrl.config.names import DEFAULT_TASK
 from dsrl.tasks.base import Task, exact_match, partial_match_reward
 from dsrl.tasks.builtin import AddTask, StringTask
 from dsrl.tasks.calculator import CalculatorTask
+from dsrl.tasks.verifiable import exact_reward, math_reward
 
 # Keys: exactly dsrl.config.names.TASK_NAMES (the config's Literal of task names).
 TASKS: dict[str, Task] = {
@@ -48,5 +50,5 @@ def get_task(name: str) -> Task:
         ) from None
 
 
-__all__ = ["DEFAULT_TASK", "TASKS", "AddTask", "CalculatorTask", "StringTask", "Task", "exact_match", "get_task",
-           "partial_match_reward"]
+__all__ = ["DEFAULT_TASK", "TASKS", "AddTask", "CalculatorTask", "StringTask", "Task", "exact_match", "exact_reward",
+           "get_task", "math_reward", "partial_match_reward"]

@@ -127,14 +127,16 @@ def test_file_prompts(path, prompt_key, answer_key):
     cfg = DataConfig(task=None, path=path, prompt_key=prompt_key, answer_key=answer_key, reward_fn=REWARD)
     prompts = load_prompts(cfg, seed=0)
     assert dataset_size(cfg) == len(prompts) == 5
-    assert prompts[0] == {"prompt": "copy: ab =", "answer": "ab"}
-    assert prompts[4] == {"prompt": "add: 9+9 =", "answer": "18"}
+    assert {k: prompts[0][k] for k in ("prompt", "answer")} == {"prompt": "copy: ab =", "answer": "ab"}
+    assert {k: prompts[4][k] for k in ("prompt", "answer")} == {"prompt": "add: 9+9 =", "answer": "18"}
+    assert prompts[0]["columns"][prompt_key] == "copy: ab =" and prompts[0]["columns"][answer_key] == "ab"
 
 
 def test_json_array_file(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps([{"prompt": "copy: a =", "answer": "a"}, {"prompt": "copy: b =", "answer": "b"}]))
-    assert load_prompts(DataConfig(path=str(f), reward_fn=REWARD), 0)[1] == {"prompt": "copy: b =", "answer": "b"}
+    assert load_prompts(DataConfig(path=str(f), reward_fn=REWARD), 0)[1] == {
+        "prompt": "copy: b =", "answer": "b", "columns": {"prompt": "copy: b =", "answer": "b"}}
 
 
 def test_data_errors_name_the_field(tmp_path):
@@ -152,7 +154,7 @@ def test_data_errors_name_the_field(tmp_path):
         load_prompts(DataConfig(task=None, path=JSONL, reward_fn=REWARD), 0)
     with pytest.raises(ConfigError, match=r"dsrl.data.answer_key = 'answer'"):
         load_prompts(DataConfig(task=None, path=JSONL, prompt_key="question", reward_fn=REWARD), 0)
-    with pytest.raises(ConfigError, match=r"dsrl.data.prompt_key = 'id': row 0"):
+    with pytest.raises(ConfigError, match=r"dsrl.data.prompt_key = 'id': rows 0, 1, 2, 3, 4 of .* hold neither"):
         load_prompts(DataConfig(task=None, path=JSONL, prompt_key="id", answer_key="solution", reward_fn=REWARD), 0)
 
 

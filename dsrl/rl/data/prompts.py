@@ -3,98 +3,112 @@
 Sources of prompts (exactly one of them):
 
 - a built-in task, ``dsrl.data.task`` (``dsrl.tasks``): ``data.size`` prompts made from the run seed;
-- a local file, ``dsrl.data.path`` (``.jsonl``, ``.json`` or ``.parquet``), read offline with
-  ``datasets.load_dataset``; ``data.prompt_key`` and ``data.answer_key`` name the columns.
+- a dataset, ``dsrl.data.path`` (+ ``subset``, ``split``): a file, a dataset directory or a hub dataset name, read
+  offline (:mod:`.sources`), its rows made into records and checked (:mod:`.records`).
 
-Rewards come from the task, or from ``dsrl.data.reward_fn`` (required with a file): :mod:`dsrl.rl.rewards.functions`.
-Every error is a
-:class:`dsrl.config.ConfigError` whose message names the ``dsrl.data.*`` field and the fix.
+A prompt as the model sees it (:func:`encode`): text, or through the tokenizer's chat template (a message list
+always, text with ``data.chat_template``), with ``data.system_prompt`` before it. With a tokenizer,
+:func:`load_prompts` encodes every prompt once and applies ``data.prompt_truncation`` to those longer than
+``data.max_prompt_tokens``: ``error`` (the default) refuses the run before any work, naming how many prompts, the
+longest and the bound that fits; ``left`` warns once with the count, and :class:`PromptSource` counts the prompts it
+cuts per rollout (:meth:`PromptSource.take_truncated`). A prompt is never cut silently.
+
+Rewards come from the task, or from ``dsrl.data.reward_fn`` (required with a dataset): :mod:`dsrl.rl.rewards.functions`.
+Every error is a :class:`dsrl.config.ConfigError` whose message names the ``dsrl.*`` field and the fix.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from dsrl.config import ConfigError, DataConfig
-from dsrl.config.names import PROMPT_FILE_FORMATS
+from dsrl.rl.data.records import make_records
+from dsrl.rl.data.sources import DatasetSource, read_rows
+
+log = logging.getLogger("dsrl.data")
+ENCODE_CHUNK = 1024  # prompts tokenized per call when every prompt is measured at load
+PROGRESS_FROM = 20_000  # prompts from which measuring them shows a progress bar
 
 # --------------------------------------------------------------------------------------------
 # Prompt sources
 # --------------------------------------------------------------------------------------------
 
 
-def _check_source(data_cfg: DataConfig) -> str:
-    """'task' or 'path'. ``DataConfig`` guarantees exactly one source with a known task name or file
-    suffix; what is left to check here needs the file system: the file must exist."""
-    if data_cfg.task:
-        return "task"
-    if not os.path.isfile(data_cfg.path):
-        raise ConfigError(f"dsrl.data.path = {data_cfg.path!r}: no such file (working directory {os.getcwd()}).")
-    return "path"
-
-
-def _read_file(data_cfg: DataConfig) -> Any:
-    """The file as a ``datasets.Dataset`` (split "train"), loaded from local files only."""
-    import datasets
-
-    path = data_cfg.path
-    builder = PROMPT_FILE_FORMATS[os.path.splitext(path)[1].lower()]
-    try:
-        return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train")
-    except Exception as e:  # datasets raises many types; all are reported against the field
-        raise ConfigError(f"dsrl.data.path = {path!r}: cannot read it as {builder}: {e}") from e
-
-
-def _check_columns(data_cfg: DataConfig, columns: Sequence[str]) -> None:
-    for field_name in ("prompt_key", "answer_key"):
-        key = getattr(data_cfg, field_name)
-        if key not in columns:
-            raise ConfigError(
-                f"dsrl.data.{field_name} = {key!r}: no such column in {data_cfg.path!r} "
-                f"(columns: {', '.join(columns)}). Fix: set dsrl.data.{field_name} to one of them."
-            )
-
-
-def dataset_size(data_cfg: DataConfig) -> int:
-    """Number of prompts the run draws from: ``data.size`` for a task, the file's row count otherwise."""
-    if _check_source(data_cfg) == "task":
+def dataset_size(data_cfg: DataConfig, source: DatasetSource | None = None) -> int:
+    """Number of prompts the run draws from: ``data.size`` for a task, the dataset's row count otherwise (of
+    ``source`` when given: another split or dataset, read with the same readers)."""
+    if source is None and data_cfg.task:
         return data_cfg.size
-    return len(_read_file(data_cfg))
+    return len(read_rows(source or DatasetSource.of(data_cfg)))
 
 
-def load_prompts(data_cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
-    """``[{"prompt": str, "answer": Any}, ...]`` in source order (the sampler shuffles).
+def load_prompts(data_cfg: DataConfig, seed: int, tokenizer: Any = None, *,
+                 source: DatasetSource | None = None) -> list[dict[str, Any]]:
+    """The prompt records in source order (the sampler shuffles): ``{"prompt", "answer"}`` for a task,
+    ``{"prompt", "answer", "columns"}`` for a dataset (:mod:`.records`).
 
-    A task's prompts are a pure function of ``(data.task, data.size, seed)``; a file's rows are
-    returned in file order and ``seed`` is unused. ``len(result) == dataset_size(data_cfg)``.
-    """
-    if _check_source(data_cfg) == "task":
+    A task's prompts are a pure function of ``(data.task, data.size, seed)``; a dataset's rows come in their order
+    and ``seed`` is unused. ``source`` reads another dataset or split (an evaluation's) with the same readers,
+    rendering and checks, the prompt settings taken from ``data_cfg``. With ``tokenizer`` every prompt is encoded
+    once and ``data.prompt_truncation`` applied (module docstring). Every problem is a ConfigError raised here,
+    before any work."""
+    if source is None and data_cfg.task:
         from dsrl.tasks import get_task
 
-        return get_task(data_cfg.task).make_prompts(data_cfg.size, seed)
-    ds = _read_file(data_cfg)
-    _check_columns(data_cfg, ds.column_names)
-    try:  # datasets decodes text lazily: invalid UTF-8 surfaces here
-        prompts = list(ds[data_cfg.prompt_key])
-        answers = list(ds[data_cfg.answer_key])
-    except UnicodeDecodeError as e:
+        records = get_task(data_cfg.task).make_prompts(data_cfg.size, seed)
+        where = f"the built-in task {data_cfg.task!r}"
+    else:
+        source = source or DatasetSource.of(data_cfg)
+        records = make_records(read_rows(source), data_cfg, source)
+        where = source.describe()
+    field = source.field if source is not None else DataConfig.PATH
+    if data_cfg.system_prompt and not data_cfg.chat_template and any(isinstance(r["prompt"], str) for r in records):
         raise ConfigError(
-            f"dsrl.data.path = {data_cfg.path!r} is not valid UTF-8 ({e.reason}: byte "
-            f"{e.object[e.start:e.start + 1]!r} in {bytes(e.object[max(e.start - 20, 0):e.start + 10])!r}). "
-            "Fix: re-encode the file as UTF-8, e.g. "
-            "iconv -f latin1 -t utf-8."
-        ) from None
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str):
-            raise ConfigError(
-                f"dsrl.data.prompt_key = {data_cfg.prompt_key!r}: row {i} of {data_cfg.path!r} holds "
-                f"{type(p).__name__} {p!r}, not a string. Fix: point prompt_key at a text column."
-            )
-    return [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+            f"{field}.system_prompt is set but the prompts of {where} are text and {field}.chat_template is false, "
+            f"so there is no chat template to put it in. Fix: set {field}.chat_template to true, or write the text "
+            f"into {field}.prompt_template.")
+    if tokenizer is not None:
+        check_prompt_lengths(records, tokenizer, data_cfg, where, field)
+    return records
+
+
+def check_prompt_lengths(records: Sequence[dict[str, Any]], tokenizer: Any, data_cfg: DataConfig, where: str,
+                         field: str = DataConfig.PATH) -> int:
+    """How many prompts are longer than ``data.max_prompt_tokens`` as the model sees them; with
+    ``prompt_truncation = "error"`` any is a ConfigError, with ``"left"`` a warning with the count (rank 0)."""
+    limit = data_cfg.max_prompt_tokens
+    longest, over = 0, []
+    chunks = range(0, len(records), ENCODE_CHUNK)
+    if len(records) >= PROGRESS_FROM and os.environ.get("RANK", "0") == "0":
+        from tqdm import tqdm
+
+        chunks = tqdm(chunks, desc="measuring prompts", unit="chunk")
+    for start in chunks:
+        part = [r["prompt"] for r in records[start:start + ENCODE_CHUNK]]
+        for j, ids in enumerate(_token_ids(tokenizer, part, data_cfg.chat_template, data_cfg.system_prompt)):
+            longest = max(longest, len(ids))
+            if len(ids) > limit:
+                over.append(start + j)
+    if not over:
+        return 0
+    rows = ", ".join(str(i) for i in over[:5]) + (f" and {len(over) - 5:,} more" if len(over) > 5 else "")
+    what = (f"{len(over):,} of the {len(records):,} prompts of {where} are longer than {field}.max_prompt_tokens = "
+            f"{limit} tokens as the model sees them (rows {rows}; the longest has {longest})")
+    if data_cfg.prompt_truncation == "error":
+        raise ConfigError(
+            f"{what}; a cut prompt loses its beginning, where a question states what it asks. Fix: set "
+            f"{field}.max_prompt_tokens to at least {longest}, or {field}.prompt_truncation to 'left' to keep the "
+            f"last {limit} tokens of each.")
+    if os.environ.get("RANK", "0") == "0":
+        log.warning("%s: each keeps its last %d tokens (%s.prompt_truncation = 'left'); prompts_truncated counts "
+                    "them per rollout.", what, limit, field)
+    return len(over)
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,33 +116,61 @@ def load_prompts(data_cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, chat_template: bool) -> list[list[int]]:
-    """Token ids per prompt, at most ``max_prompt_tokens`` long, truncated on the left.
+@dataclass(frozen=True)
+class EncodedPrompts:
+    """Token ids per prompt (each at most ``max_prompt_tokens`` long) and how many were cut to fit."""
 
-    Special tokens follow the tokenizer's own convention: plain prompts use
-    ``add_special_tokens=True`` (the tiny tokenizer and Llama-style ones prepend bos, Qwen-style
-    ones add nothing); with ``chat_template`` the rendered template (which carries its own special
-    tokens) is tokenized without adding any. Truncation keeps the *end* of the prompt; a leading
-    bos survives truncation (bos + the last ``max_prompt_tokens - 1`` tokens).
+    ids: list[list[int]]
+    truncated: int
+
+
+def _token_ids(tokenizer: Any, prompts: Sequence[Any], chat_template: bool,
+               system_prompt: str | None = None) -> list[list[int]]:
+    """Each prompt's token ids, uncut: text as is, or through the chat template (message lists always, text with
+    ``chat_template``), ``system_prompt`` first where a conversation has no system message."""
+    chat = [isinstance(p, list) or chat_template for p in prompts]
+    if any(chat) and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"the prompts need the tokenizer's chat template (dsrl.data.chat_template = {str(chat_template).lower()}"
+            f"{', and the prompts are message lists' if any(isinstance(p, list) for p in prompts) else ''}) but the "
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has none. Fix: set dsrl.data.chat_template to "
+            "false and give text prompts, or use a chat tokenizer (dsrl.model.tokenizer).")
+    if system_prompt and not all(chat):
+        raise ConfigError("dsrl.data.system_prompt needs the chat template for text prompts. Fix: set "
+                          "dsrl.data.chat_template to true.")
+    out: list[list[int] | None] = [None] * len(prompts)
+    plain = [i for i, c in enumerate(chat) if not c]
+    if plain:
+        for i, ids in zip(plain, tokenizer([prompts[i] for i in plain], add_special_tokens=True)["input_ids"]):
+            out[i] = list(ids)
+    templated = [i for i, c in enumerate(chat) if c]
+    if templated:
+        texts = []
+        for i in templated:
+            messages = prompts[i] if isinstance(prompts[i], list) else [{"role": "user", "content": prompts[i]}]
+            if system_prompt and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": system_prompt}, *messages]
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        for i, ids in zip(templated, tokenizer(texts, add_special_tokens=False)["input_ids"]):
+            out[i] = list(ids)
+    return out  # type: ignore[return-value]
+
+
+def encode(tokenizer: Any, prompts: Sequence[Any], max_prompt_tokens: int, chat_template: bool,
+           system_prompt: str | None = None) -> EncodedPrompts:
+    """Token ids per prompt, at most ``max_prompt_tokens`` long, truncated on the left, and the count truncated.
+
+    Special tokens follow the tokenizer's own convention: plain prompts use ``add_special_tokens=True`` (the tiny
+    tokenizer and Llama-style ones prepend bos, Qwen-style ones add nothing); through the chat template the rendered
+    text (which carries its own special tokens) is tokenized without adding any. Truncation keeps the *end* of the
+    prompt; a leading bos survives it (bos + the last ``max_prompt_tokens - 1`` tokens).
     """
-    if chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(
-                f"dsrl.data.chat_template = true but the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has "
-                "no chat template. Fix: set dsrl.data.chat_template to false or use a chat tokenizer."
-            )
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
-        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        encoded = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
     bos = getattr(tokenizer, "bos_token_id", None)
     out: list[list[int]] = []
-    for i, ids in enumerate(encoded):
-        ids = list(ids)
+    cut = 0
+    for i, ids in enumerate(_token_ids(tokenizer, prompts, chat_template, system_prompt)):
         if len(ids) > max_prompt_tokens:
+            cut += 1
             if bos is not None and ids[0] == bos and max_prompt_tokens > 1:
                 ids = [bos] + ids[len(ids) - (max_prompt_tokens - 1):]
             else:
@@ -136,7 +178,13 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, c
         if not ids:
             raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens; generation needs at least one.")
         out.append(ids)
-    return out
+    return EncodedPrompts(out, cut)
+
+
+def encode_prompts(tokenizer: Any, prompts: list[Any], max_prompt_tokens: int, chat_template: bool,
+                   system_prompt: str | None = None) -> list[list[int]]:
+    """The token ids of :func:`encode`."""
+    return encode(tokenizer, prompts, max_prompt_tokens, chat_template, system_prompt).ids
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,13 +304,14 @@ class PromptSource:
 
     def __init__(self, records: list[dict[str, Any]], sampler: PromptSampler, tokenizer: Any, data_cfg: DataConfig):
         self.records, self.sampler, self.tokenizer, self.data_cfg = records, sampler, tokenizer, data_cfg
+        self.truncated = 0  # prompts encode() cut to data.max_prompt_tokens since the last take_truncated()
 
     @classmethod
     def load(cls, data_cfg: DataConfig, prompts_per_rollout: int, seed: int, last_rollout: Literal["drop", "wrap"],
              tokenizer: Any) -> PromptSource:
         """The run's prompt stream: ``data``'s prompts (:func:`load_prompts`) drawn ``batch.prompts_per_rollout`` at
         a time by a sampler seeded with ``run.seed`` (``run.last_rollout``: how ``run.epochs`` ends)."""
-        records = load_prompts(data_cfg, seed=seed)
+        records = load_prompts(data_cfg, seed=seed, tokenizer=tokenizer)
         return cls(records, PromptSampler(len(records), prompts_per_rollout, seed=seed, last_rollout=last_rollout),
                    tokenizer, data_cfg)
 
@@ -284,10 +333,18 @@ class PromptSource:
         return self.sampler.epoch * self.sampler.num_prompts + self.sampler.offset
 
     def encode(self, indices: list[int]) -> tuple[list[dict[str, Any]], list[list[int]]]:
-        """(the records, their prompt token ids) of ``indices``."""
+        """(the records, their prompt token ids) of ``indices``; the prompts cut to fit are counted."""
         records = [self.records[i] for i in indices]
         if not records:
             return [], []
         d = self.data_cfg
-        return records, encode_prompts(self.tokenizer, [r["prompt"] for r in records], d.max_prompt_tokens,
-                                       d.chat_template)
+        encoded = encode(self.tokenizer, [r["prompt"] for r in records], d.max_prompt_tokens, d.chat_template,
+                         d.system_prompt)
+        self.truncated += encoded.truncated
+        return records, encoded.ids
+
+    def take_truncated(self) -> int:
+        """Prompts cut to ``data.max_prompt_tokens`` since the last call (``prompts_truncated`` of a rollout's
+        statistics; always 0 with ``prompt_truncation = "error"``, which refused them at load)."""
+        n, self.truncated = self.truncated, 0
+        return n

@@ -1,7 +1,9 @@
 """The contract of a reward function, enforced on every call: numbers out, one per completion, in time.
 
-:class:`RewardCaller` wraps the user's function (per-sample or batched, see
-:func:`dsrl.rl.rewards.functions.as_batched`) as ``(prompts, completions, answers) -> list[float]`` and keeps:
+:class:`RewardCaller` wraps the user's function (per-sample or batched, by position or by name, with the dataset's
+other columns where it asks for them: :mod:`dsrl.rl.rewards.signature`) as
+``(prompts, completions, answers, columns=None) -> list[float]``, ``columns`` mapping each other column of the
+samples' rows to its values in sample order (:func:`reward_columns` makes it from the rows), and keeps:
 
 - **numbers**: every value must be a real number (``int``, ``float``, ``bool``, a NumPy scalar or a
   one-element tensor); anything else (a string, None, a list) is a ConfigError naming
@@ -29,10 +31,11 @@ import numbers
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from dsrl.config import ConfigError
+from dsrl.rl.rewards.signature import RewardParameters, parameters_of
 from dsrl.runtime.watchdog import note
 
 log = logging.getLogger("dsrl.reward")
@@ -81,13 +84,27 @@ def _short(text: Any, n: int = 60) -> str:
     return s if len(s) <= n else s[:n] + "...'"
 
 
-class RewardCaller:
-    """``(prompts, completions, answers) -> list[float]`` around a user function (module docstring)."""
+def reward_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """Each column of the samples' prompt rows (``row["columns"]``, :func:`dsrl.rl.data.prompts.load_prompts`; a
+    built-in task's rows give ``prompt`` and ``answer``) as a list in sample order: the ``columns`` argument of
+    :meth:`RewardCaller.__call__`. Every row of one dataset has the same columns."""
+    if not rows:
+        return {}
+    first = rows[0].get("columns")
+    if first is None:
+        return {"prompt": [r["prompt"] for r in rows], "answer": [r.get("answer") for r in rows]}
+    return {k: [r["columns"][k] for r in rows] for k in first}
 
-    def __init__(self, fn: Callable[..., Any], per_sample: bool, field_name: str = "dsrl.data.reward_fn",
-                 spec: str | None = None, timeout_s: float | None = None):
+
+class RewardCaller:
+    """``(prompts, completions, answers, columns=None) -> list[float]`` around a user function (module
+    docstring)."""
+
+    def __init__(self, fn: Callable[..., Any], params: RewardParameters | None = None,
+                 field_name: str = "dsrl.data.reward_fn", spec: str | None = None, timeout_s: float | None = None):
         self.fn = fn
-        self.per_sample = per_sample
+        self.params = params if params is not None else parameters_of(fn, field_name, spec)
+        self.per_sample = self.params.per_sample
         self.what = f"{field_name} = {spec!r}" if spec else f"{field_name} ({getattr(fn, '__name__', fn)!r})"
         self.timeout_s = timeout_s
         self.timeouts = 0  # samples masked because their call ran out of time, since the last take_timeouts()
@@ -98,13 +115,13 @@ class RewardCaller:
         n, self.timeouts = self.timeouts, 0
         return n
 
-    def _call(self, args: tuple, where: str) -> tuple[Any, bool]:
+    def _call(self, args: tuple, columns: Mapping[str, Any], where: str) -> tuple[Any, bool]:
         """``(result, timed_out)`` of one call under the time limit (what it calls and for which sample is noted
         first, for the reports of ranks that wait for this one: :mod:`dsrl.runtime.watchdog`)."""
         note(f"calling {self.what} for {where}")
         try:
             with time_limit(self.timeout_s) as fired:
-                result = self.fn(*args)
+                result = self.params.call(self.fn, *args, columns)
             if not fired:
                 return result, False
         except _CallTimeout:
@@ -116,19 +133,28 @@ class RewardCaller:
                     rank, self.timeout_s)
         return None, True
 
-    def __call__(self, prompts: list[str], completions: list[str], answers: list[Any]) -> list[float]:
+    def __call__(self, prompts: list[Any], completions: list[str], answers: list[Any],
+                 columns: Mapping[str, Sequence[Any]] | None = None) -> list[float]:
+        """One reward per completion; ``columns``: the samples' other columns (:func:`reward_columns`), passed where
+        the function names them (:mod:`dsrl.rl.rewards.signature`)."""
         if not len(prompts) == len(completions) == len(answers):
             raise ValueError(f"reward inputs differ in length: {len(prompts)} prompts, {len(completions)} "
                              f"completions, {len(answers)} answers")
         n = len(completions)
+        extra = self.params.pick(columns or {})
+        if any(len(v) != n for v in extra.values()):
+            raise ValueError(f"reward columns differ in length from the {n} completions: "
+                             f"{ {k: len(v) for k, v in extra.items()} }")
         if self.per_sample:
             out = []
             for i, args in enumerate(zip(prompts, completions, answers)):
-                value, late = self._call(args, f"sample {i} (completion {_short(args[1])})")
+                value, late = self._call(args, {k: v[i] for k, v in extra.items()},
+                                         f"sample {i} (completion {_short(args[1])})")
                 out.append(float("nan") if late else value)
         else:
             first = f" (first completion {_short(completions[0])})" if n else ""
-            result, late = self._call((prompts, completions, answers), f"a batch of {n} samples{first}")
+            result, late = self._call((prompts, completions, answers), {k: list(v) for k, v in extra.items()},
+                                      f"a batch of {n} samples{first}")
             if late:
                 return [float("nan")] * n
             try:

@@ -13,8 +13,9 @@ each term when present (``dsrl.data``):
   :class:`dsrl.rl.rewards.model.RewardModel`), computed on every rank (its forwards are collective under ZeRO-3);
 - the accuracy (a metric, never a reward) is the built-in task's exact match of the same text.
 
-Every function is called with one entry per sample: the prompt, the completion's (or last turn's) text and the
-prompt's answer (:mod:`dsrl.rl.rewards.contract` bounds and checks the calls). :class:`Scorer` is the one place
+Every function is called with one entry per sample: the prompt, the completion's (or last turn's) text, the
+prompt's answer and the row's other columns where the function names them (:mod:`dsrl.rl.rewards.contract` bounds
+and checks the calls). :class:`Scorer` is the one place
 that applies this; the experience maker calls it for both kinds of rounds.
 """
 
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dsrl.config import DataConfig
 from dsrl.rl.data.batching import Sample
-from dsrl.rl.rewards.contract import RewardCaller
+from dsrl.rl.rewards.contract import RewardCaller, reward_columns
 from dsrl.rollout.base import Completion
 
 if TYPE_CHECKING:
@@ -112,14 +113,15 @@ class Scorer:
         summed environment rewards (None for single completions)."""
         prompts = [r["prompt"] for r in records]
         answers = [r.get("answer") for r in records]
+        columns = reward_columns(records)  # the rows' other columns, passed where a function names them
         rule: list[float] | None = environment
         if self.reward_fn is not None:
-            called = self.reward_fn(prompts, texts, answers)
+            called = self.reward_fn(prompts, texts, answers, columns)
             rule = ([float(y) for y in called] if environment is None
                     else [x + float(y) for x, y in zip(environment, called)])
         d = self.data
         rewards = [d.rule_reward_weight * x for x in rule] if rule is not None else [0.0] * len(texts)
         if model_scores is not None:
             rewards = [x + d.reward_model_weight * m for x, m in zip(rewards, model_scores)]
-        accs = self.accuracy_fn(prompts, texts, answers) if self.accuracy_fn else [None] * len(texts)
+        accs = self.accuracy_fn(prompts, texts, answers, columns) if self.accuracy_fn else [None] * len(texts)
         return rewards, list(accs)
