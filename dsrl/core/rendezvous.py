@@ -1,14 +1,15 @@
 """The start-up preflight: every rank of the job checks in with rank 0 within a bound, before any work.
 
-Rank 0 hosts the job's TCP store at ``MASTER_ADDR:MASTER_PORT``; every rank records there the node its
-launcher put it on (:class:`dsrl.core.launchers.Launch`) and adds itself to a count. Rank 0 waits until the
-count is the world size or ``bound_s`` has passed, then writes a verdict: empty when every rank is there, or
-one sentence naming the nodes whose ranks never checked in (as the launcher names them: a hostfile entry, a
-Slurm node), the launcher and the fix (:func:`missing_sentence`). Every rank that checked in reads the
-verdict, so on a failure the whole started job ends at once with status 1, the sentence printed by rank 0
-alone; rank 0 keeps the store up until they have read it (a few seconds at most). A rank that cannot reach
-rank 0's store within the bound ends with a sentence naming the address. Nothing here touches the output
-directory: the trainer opens it only after the process group exists.
+Rank 0 hosts the job's TCP store at ``MASTER_ADDR:MASTER_PORT`` (under torchrun its agent does); every
+rank records there the node its launcher put it on (:class:`dsrl.core.launchers.Launch`) and adds itself to
+a count. Rank 0 waits until the count is the world size or ``bound_s`` has passed, then writes a verdict:
+empty when every rank is there, or one sentence naming the nodes whose ranks never checked in (as the
+launcher names them: a hostfile entry, a Slurm node), the launcher and the fix (:func:`missing_sentence`).
+Every rank that checked in reads the verdict, so on a failure the whole started job ends at once with
+status 1, the sentence printed by rank 0 alone; rank 0 keeps the store up until they have read it (a few
+seconds at most). A rank that cannot reach rank 0's store within the bound ends with a sentence naming the
+address. Nothing here touches the output directory: the trainer opens it only after the process group
+exists.
 
 The store then carries the default process group: :func:`init_method` registers a torch rendezvous handler
 (``torch.distributed.rendezvous.register_rendezvous_handler``) that hands it over, so that
@@ -107,8 +108,11 @@ def check_in(launch: Launch, bound_s: float) -> Any:
     or their own when rank 0 cannot be reached."""
     rank, world = launch.rank, launch.world_size
     bound = timedelta(seconds=bound_s)
+    # Under torchrun the agent already hosts the store at MASTER_ADDR:MASTER_PORT: every rank is a client (as
+    # torch's env:// rendezvous does); otherwise rank 0 hosts it.
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
     try:
-        store = dist.TCPStore(launch.master_addr, launch.master_port, world, is_master=rank == 0, timeout=bound,
+        store = dist.TCPStore(launch.master_addr, launch.master_port, world, is_master=hosts, timeout=bound,
                               wait_for_workers=False)
     except (RuntimeError, OSError) as e:
         if rank == 0:

@@ -153,10 +153,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_in_all(world: int, ranks: list[int], bound_s: float) -> tuple[dict[int, object], float]:
+def _check_in_all(world: int, ranks: list[int], bound_s: float, port: int | None = None
+                  ) -> tuple[dict[int, object], float]:
     """Run the preflight for ``ranks`` of a ``world``-rank job, each in a thread; returns what each got (its store
     or the exception) and the wall time."""
-    port = _free_port()
+    port = port or _free_port()
     got: dict[int, object] = {}
     nodes = tuple((f"node{r}", 1) for r in range(world))
 
@@ -193,3 +194,16 @@ def test_a_rank_that_cannot_reach_rank_0_says_where_it_looked():
     assert isinstance(got[1], rendezvous.PreflightError)
     assert "rank 1 on host node1 could not reach rank 0's rendezvous at 127.0.0.1:" in str(got[1]), got[1]
     assert wall < 20
+
+
+def test_under_torchrun_every_rank_is_a_client_of_the_agents_store(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = _free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    got, _ = _check_in_all(2, [0, 1], 10, port=port)  # rank 0 hosting too would fail: the port is taken
+    assert all(not isinstance(v, Exception) for v in got.values()), got
+    assert agent.get(rendezvous.VERDICT) == b""
