@@ -26,6 +26,8 @@ import torch.distributed
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.config import ConfigError, parse_override_args
 from dsrl.core.errors import CollectiveTimeout, RunError
+from dsrl.core.launchers import adopt as adopt_launch
+from dsrl.core.rendezvous import PRINT_GRACE_S, PreflightError
 from dsrl.core.timeouts import looks_like_timeout
 from dsrl.runtime.peers import current as current_peers
 from dsrl.runtime.process_exit import leave
@@ -41,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="start over in an output directory that holds a run (same as --dsrl.run.overwrite true)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args, rest = parser.parse_known_args(argv)
+    # Slurm's srun and OpenMPI's mpirun start this script without RANK & co.: derive them from their variables first
+    # (dsrl.core.launchers), so that the log prefix, who prints and everything below see this rank's place.
+    launch_problem = None
+    try:
+        adopt_launch()
+    except RunError as e:
+        launch_problem = e
     # dsrl logs to stdout; DSRL_LOG_LEVEL (forwarded to every node through .deepspeed_env) sets its level.
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s dsrl rank" + os.environ.get("RANK", "0")
@@ -52,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = os.environ.get("RANK", "0") != "0"  # an error every rank agreed on is printed by rank 0 only
     role = None
     try:
+        if launch_problem is not None:
+            raise launch_problem
         # the command line and the run file alone (no process group yet): each node's first rank prints their errors
         overrides = parse_override_args(rest)
         if args.overwrite:
@@ -88,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             # A peer is stuck or gone (a generator, a trainer): tearing the groups down would wait for it. Leave now.
             _leave(1)
         if not printer:
-            _wait_for_the_printer()
+            _wait_for_the_printer(PRINT_GRACE_S if isinstance(e, PreflightError) else 30.0)
         return 1
     except RuntimeError as e:
         if not looks_like_timeout(e):

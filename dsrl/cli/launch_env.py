@@ -9,13 +9,15 @@ name can be changed with ``DS_ENV_FILE``). The runner reads that file naively: e
 on the first ``=``, so a blank line or a ``#`` comment crashes it with ``ValueError: not enough
 values to unpack``, surrounding whitespace is stripped, and a value with shell-special characters is
 wrapped in double quotes and then evaluated by the remote shell. :func:`write_deepspeed_env`
-writes only lines that survive that trip unchanged and refuses anything else.
+writes only lines that survive that trip unchanged and refuses anything else; for the launchers without a
+remote shell (``--launcher slurm``, ``openmpi``: ``srun --export``, ``mpirun -x``) it also refuses a value the
+runner would quote (the quotes arrive) and, for Slurm, a comma (``--export`` cuts there).
 
 Command line::
 
-    python -m dsrl.cli.launch_env write [--out .deepspeed_env] [--set KEY=VALUE ...] [--no-defaults]
+    python -m dsrl.cli.launch_env write [--out .deepspeed_env] [--set KEY=VALUE ...] [--no-defaults] [--launcher L]
     python -m dsrl.cli.launch_env check-hostfile HOSTFILE
-    python -m dsrl.cli.launch_env check-env [FILE]
+    python -m dsrl.cli.launch_env check-env [FILE] [--launcher slurm|openmpi]
     python -m dsrl.cli.launch_env check-hosts HOSTFILE [--ssh_port N] [--connect_timeout S]
 
 ``check-hosts`` is a preflight for the gap the runner leaves: it only pre-checks ssh to the *first*
@@ -23,7 +25,8 @@ host, so an unreachable later host shows up as an ssh error from pdsh while the 
 start wait for the missing ones until the rendezvous timeout (``DEEPSPEED_TIMEOUT`` minutes,
 default 10). The preflight goes through pdsh over ssh with the runner's exports and working
 directory and imports dsrl and deepspeed with this Python on every host, in parallel, within the
-connect timeout.
+connect timeout. (Inside the job, every launcher's ranks also check in with rank 0 before any work:
+:mod:`dsrl.core.rendezvous`.)
 """
 
 from __future__ import annotations
@@ -89,6 +92,31 @@ def validate_entry(key: str, value: str) -> None:
         raise LaunchEnvError(f"{key}: value {value!r} has surrounding whitespace, which the runner strips")
 
 
+#: The characters DeepSpeed's runner leaves unquoted (``MultiNodeRunner.add_export``); any other makes it wrap the
+#: value in double quotes, which pdsh's remote shell removes but ``srun --export`` and ``mpirun -x`` keep.
+_RUNNER_PLAIN_RE = re.compile(r"^[\w@%+=:,./-]*$")
+#: Launchers that take the exports without a shell: what reaches their ranks is the value as the runner wrote it.
+SHELL_FREE_LAUNCHERS = ("slurm", "openmpi", "mpich", "impi", "mvapich")
+
+
+def check_for_launcher(key: str, value: str, launcher: str) -> None:
+    """Raise :class:`LaunchEnvError` unless ``KEY=VALUE`` reaches the ranks of ``deepspeed --launcher LAUNCHER``
+    unchanged: without a remote shell (Slurm, MPI) a value the runner quotes arrives with the quotes, and ``srun
+    --export`` splits its list at commas, so such a value arrives cut."""
+    if launcher not in SHELL_FREE_LAUNCHERS:
+        return
+    if not _RUNNER_PLAIN_RE.match(value):
+        instead = ("Set it in the job's environment instead (srun --export=ALL passes it on)" if launcher == "slurm"
+                   else f"Export it in the launching shell and pass --launcher_args '-x {key}' (mpirun forwards its "
+                        "own value)")
+        raise LaunchEnvError(f"{key}: value {value!r} holds a character outside letters, digits and _@%+=:,./-, which "
+                             f"DeepSpeed's runner wraps in double quotes; --launcher {launcher} passes them on "
+                             f"literally (no shell removes them). {instead}")
+    if launcher == "slurm" and "," in value:
+        raise LaunchEnvError(f"{key}: value {value!r} holds a comma, where `srun --export=ALL,K=V,...` cuts it; under "
+                             "Slurm the job's environment reaches every rank anyway (--export=ALL): set it there")
+
+
 def format_deepspeed_env(values: Mapping[str, str]) -> str:
     """The file text: one ``KEY=VALUE`` line per entry, no blank or comment line, final newline."""
     lines = []
@@ -124,11 +152,13 @@ def collect_env(environ: Mapping[str, str] | None = None, names: Iterable[str] =
     return out
 
 
-def write_deepspeed_env(path: str | os.PathLike[str], values: Mapping[str, str], merge: bool = False) -> Path:
+def write_deepspeed_env(path: str | os.PathLike[str], values: Mapping[str, str], merge: bool = False,
+                        launcher: str = "pdsh") -> Path:
     """Write ``values`` to ``path`` (a file, or a directory to hold ``.deepspeed_env``) atomically.
 
     With ``merge`` the entries of an existing file are kept unless ``values`` overrides them; an
-    existing file that the runner would choke on is an error rather than silently rewritten.
+    existing file that the runner would choke on is an error rather than silently rewritten. ``launcher``
+    (``deepspeed --launcher``) refuses what that launcher would not pass on unchanged (:func:`check_for_launcher`).
     Returns the file written.
     """
     target = Path(path)
@@ -138,6 +168,8 @@ def write_deepspeed_env(path: str | os.PathLike[str], values: Mapping[str, str],
     if merge and target.exists():
         merged.update(parse_deepspeed_env(target.read_text(encoding="utf-8"), str(target)))
     merged.update(values)
+    for key, value in merged.items():
+        check_for_launcher(key, value, launcher)
     text = format_deepspeed_env(merged)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
@@ -274,10 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--no-defaults", action="store_true",
                    help=f"do not forward {', '.join(DEFAULT_FORWARD)} and {DSRL_PREFIX}* from the environment")
     w.add_argument("--merge", action="store_true", help="keep the entries of an existing file")
+    w.add_argument("--launcher", default="pdsh", help="the deepspeed --launcher the file is for (default pdsh)")
     h = sub.add_parser("check-hostfile", help="validate a hostfile and print the rank layout")
     h.add_argument("hostfile")
     e = sub.add_parser("check-env", help="validate an existing .deepspeed_env")
     e.add_argument("file", nargs="?", default=DEFAULT_FILE_NAME)
+    e.add_argument("--launcher", default="pdsh", help="the deepspeed --launcher the file is for (default pdsh)")
     c = sub.add_parser("check-hosts", help="reach every hostfile host through pdsh/ssh and import dsrl there")
     c.add_argument("hostfile")
     c.add_argument("--ssh_port", type=int, default=None, help="as deepspeed's --ssh_port")
@@ -290,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             environ = os.environ if not args.no_defaults else {k: v for k, v in os.environ.items()
                                                                if k in args.forward}
             values = collect_env(environ, names, _parse_set(args.set))
-            path = write_deepspeed_env(args.out, values, merge=args.merge)
+            path = write_deepspeed_env(args.out, values, merge=args.merge, launcher=args.launcher)
             print(f"wrote {len(values)} entries to {path}")
         elif args.cmd == "check-hostfile":
             hosts = validate_hostfile(args.hostfile)
@@ -299,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"world size {sum(hosts.values())} on {len(hosts)} nodes")
         elif args.cmd == "check-env":
             values = parse_deepspeed_env(Path(args.file).read_text(encoding="utf-8"), args.file)
+            for key, value in values.items():
+                check_for_launcher(key, value, args.launcher)
             print(f"{args.file}: {len(values)} valid entries")
         else:
             hosts = list(validate_hostfile(args.hostfile))

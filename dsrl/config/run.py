@@ -41,8 +41,8 @@ class RunConfig(Section):
         True, "record a CRC-32 of every checkpoint file in its MANIFEST.json and verify it on resume and export "
               "(false: sizes only)")
     join_timeout_s: float | None = setting(
-        None, "how long rank 0 waits for every rank to join the process group; unset = $DSRL_INIT_TIMEOUT_S, "
-              "else 300", "seconds", gt=0)
+        None, "the start-up preflight: how long rank 0 waits for every rank to check in before any work (a host "
+              "that never does ends the job, named); unset = $DSRL_INIT_TIMEOUT_S, else 60", "seconds", gt=0)
     collective_timeout_s: float = setting(
         1800.0, "a rank that has not reached a collective (or the end of a phase: generation, reward, step, save) "
                 "this long after the first rank ends the job with a message naming the phase and the rank",

@@ -1,8 +1,8 @@
 """Bounds on waiting for other ranks: joining the process group and every later collective.
 
-- **joining**: the process group is created with ``run.join_timeout_s`` (else ``$DSRL_INIT_TIMEOUT_S``,
-  else :data:`DEFAULT_JOIN_TIMEOUT_S`), so a node that never starts ends the job instead of
-  DeepSpeed's 30-minute wait;
+- **joining**: every rank checks in with rank 0 within ``run.join_timeout_s`` (else ``$DSRL_INIT_TIMEOUT_S``,
+  else :data:`DEFAULT_JOIN_TIMEOUT_S`, a minute; :mod:`dsrl.core.rendezvous`), so a node that never starts ends the
+  job at once, named, instead of the launcher's 10-minute or DeepSpeed's 30-minute wait;
 - **every collective**: afterwards the default group's timeout is ``run.collective_timeout_s``
   (:func:`set_collective_timeout`), so no all-reduce, gather or barrier waits longer (gloo raises; NCCL
   aborts the communicator); :func:`patience` widens it for a block where one rank works alone.
@@ -20,7 +20,7 @@ from datetime import timedelta
 
 from dsrl.core import collectives
 
-DEFAULT_JOIN_TIMEOUT_S = 300.0
+DEFAULT_JOIN_TIMEOUT_S = 60.0  # the start-up preflight's bound (dsrl.core.rendezvous)
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0  # also torch's and DeepSpeed's default
 JOIN_TIMEOUT_ENV = "DSRL_INIT_TIMEOUT_S"
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection closed by peer", "connection reset", "failed to pass")

@@ -108,3 +108,20 @@ def test_hostfile_validation() -> None:
                      ("a slots=0\n", "at least 1"), ("", "no 'HOST"), ("localhost slots=1\nb slots=1\n", "localhost")]:
         with pytest.raises(LaunchEnvError, match=why):
             launch_env.parse_hostfile(bad)
+
+
+def test_values_the_shell_free_launchers_would_mangle_are_refused(tmp_path: Path) -> None:
+    """Measured on the loopback Slurm cluster (DeepSpeed 0.19.8, Slurm 22.05): a .deepspeed_env value ``x y`` reached
+    the ranks of ``deepspeed --launcher slurm`` as ``"x y"`` (the runner's quotes, kept by srun) and ``a,b`` as ``a``
+    (srun's --export list is cut at commas); mpirun -x, without a shell either, keeps the quotes too."""
+    for launcher in ("slurm", "openmpi"):
+        with pytest.raises(LaunchEnvError, match=f"double quotes; --launcher {launcher} passes them on literally"):
+            launch_env.write_deepspeed_env(tmp_path, {"DSRL_A": "x y"}, launcher=launcher)
+    with pytest.raises(LaunchEnvError, match="comma.*--export=ALL"):
+        launch_env.write_deepspeed_env(tmp_path, {"DSRL_B": "a,b"}, launcher="slurm")
+    assert not (tmp_path / ".deepspeed_env").exists()
+    launch_env.write_deepspeed_env(tmp_path, {"DSRL_A": "x y", "DSRL_B": "a,b"})  # pdsh: the remote shell unquotes
+    launch_env.write_deepspeed_env(tmp_path, {"DSRL_B": "a,b", "MASTER_ADDR": "node-0"}, launcher="openmpi")
+    check = subprocess.run([sys.executable, "-m", "dsrl.cli.launch_env", "check-env", str(tmp_path / ".deepspeed_env"),
+                            "--launcher", "slurm"], env=base_env(), capture_output=True, text=True, timeout=60)
+    assert check.returncode == 2 and "DSRL_B" in check.stderr and "comma" in check.stderr, check.stderr

@@ -280,20 +280,25 @@ def test_join_bound_applies_without_environment_variables(monkeypatch):
     import deepspeed
 
     from dsrl.backends.deepspeed import cpu_shm, engine
+    from dsrl.core import launchers, rendezvous
 
     monkeypatch.delenv(timeouts.JOIN_TIMEOUT_ENV, raising=False)
-    assert timeouts.join_timeout_s() == timeouts.DEFAULT_JOIN_TIMEOUT_S == 300.0
+    assert timeouts.join_timeout_s() == timeouts.DEFAULT_JOIN_TIMEOUT_S == 60.0
     monkeypatch.setenv(timeouts.JOIN_TIMEOUT_ENV, "12")
     assert timeouts.join_timeout_s() == 12.0 and timeouts.join_timeout_s(7) == 7.0
     monkeypatch.delenv(timeouts.JOIN_TIMEOUT_ENV)
     seen = {}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, {"WORLD_SIZE": "2", "LOCAL_SIZE": "1"}.get(key, "0"))
+    monkeypatch.setattr(launchers, "_ADOPTED", [])
     monkeypatch.setattr(engine.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(rendezvous, "check_in", lambda launch, bound_s: seen.update(preflight=(launch, bound_s)))
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.update(kw))
     monkeypatch.setattr(cpu_shm, "release_segments", lambda: None)
     engine.ensure_distributed()
-    assert seen["timeout"].total_seconds() == 300.0
+    # The start-up preflight is bounded by a minute, and the process group is then built on its store.
+    assert seen["preflight"][1] == 60.0 and seen["preflight"][0].world_size == 2
+    assert seen["timeout"].total_seconds() == 60.0 and seen["init_method"] == "dsrl://"
     cfg = load_config(json.loads((Path(__file__).parents[2] / "configs" / "tiny_grpo_cpu.json").read_text()))
     assert cfg.dsrl.run.join_timeout_s is None and cfg.dsrl.run.collective_timeout_s == 1800.0
 

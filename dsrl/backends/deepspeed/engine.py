@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ from dsrl.backends.deepspeed.schedule import PlannedScheduler, ScheduleSpec
 from dsrl.backends.deepspeed.validation import accelerator_is_gpu, validated_deepspeed_config
 from dsrl.backends.deepspeed.view import deepspeed_view
 from dsrl.config import Config, ConfigError, load_config
-from dsrl.core import timeouts
+from dsrl.core import launchers, rendezvous, timeouts
 from dsrl.core.errors import RunError
 from dsrl.core.parallel import ParallelView
 from dsrl.core.plan import BatchPlan
@@ -45,23 +44,20 @@ from dsrl.core.step import Log, MicroBatch, MiniBatchCounts, StepCore, StepInput
 LossFn = Callable[[Any, MicroBatch], "torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_distributed(join_timeout_s: float | None = None, collective_timeout_s: float | None = None) -> None:
     """Initialise torch.distributed and DeepSpeed's communication backend; a plain ``python`` run
     becomes 1 rank.
 
-    Joining is bounded by ``join_timeout_s`` (else ``$DSRL_INIT_TIMEOUT_S``, else
-    :data:`dsrl.runtime.timeouts.DEFAULT_JOIN_TIMEOUT_S`): a rank that never starts ends the job with a
-    sentence instead of DeepSpeed's 30-minute wait. Afterwards every collective of the default group
-    is bounded by ``collective_timeout_s`` when given (:mod:`dsrl.core.timeouts`). On the CPU accelerator
-    the shared-memory all-reduce segments DeepSpeed creates are checked for room before and unlinked
-    after (:mod:`dsrl.backends.deepspeed.cpu_shm`), with a watcher process that removes them even if the start-up is
-    interrupted, so no job leaks ``/dev/shm``.
+    The launcher's variables are read first (:func:`dsrl.core.launchers.adopt`: DeepSpeed's launcher and pdsh,
+    torchrun, Slurm's srun, OpenMPI's mpirun), then every rank checks in with rank 0 before any work
+    (:func:`dsrl.core.rendezvous.check_in`), bounded by ``join_timeout_s`` (else ``$DSRL_INIT_TIMEOUT_S``, else
+    :data:`dsrl.core.timeouts.DEFAULT_JOIN_TIMEOUT_S`, a minute): a host that never starts its ranks ends the whole
+    job with one sentence naming the host, the launcher and the fix, instead of the launcher's 10-minute or
+    DeepSpeed's 30-minute wait. DeepSpeed then builds the default group on that same store. Afterwards every
+    collective of the default group is bounded by ``collective_timeout_s`` when given (:mod:`dsrl.core.timeouts`).
+    On the CPU accelerator the shared-memory all-reduce segments DeepSpeed creates are checked for room before and
+    unlinked after (:mod:`dsrl.backends.deepspeed.cpu_shm`), with a watcher process that removes them even if the
+    start-up is interrupted, so no job leaks ``/dev/shm``.
     """
     import deepspeed
 
@@ -69,16 +65,15 @@ def ensure_distributed(join_timeout_s: float | None = None, collective_timeout_s
     cleaner = None
     starting = not dist.is_initialized()
     if starting:
-        if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         from datetime import timedelta
 
-        kwargs["timeout"] = timedelta(seconds=timeouts.join_timeout_s(join_timeout_s))
-        if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_SIZE"):
-            cpu_shm.check_room(int(os.environ.get("LOCAL_SIZE", "1")))
-            cleaner = cpu_shm.arm_cleaner(int(os.environ.get("RANK", "0")))
+        launch = launchers.adopt()
+        bound = timeouts.join_timeout_s(join_timeout_s)
+        store = rendezvous.check_in(launch, bound)
+        kwargs.update(timeout=timedelta(seconds=bound), init_method=rendezvous.init_method(store, launch))
+        if launch.world_size == launch.local_size:
+            cpu_shm.check_room(launch.local_size)
+            cleaner = cpu_shm.arm_cleaner(launch.rank)
     try:
         # Over a process group the caller started, this only builds DeepSpeed's backend (and its shm
         # segments), as deepspeed.initialize would later; either way they are released right here.
@@ -100,10 +95,9 @@ def _join_failure(seconds: float, exc: BaseException) -> str:
     world, rank = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     first = str(exc).strip().splitlines()[0][:300]
-    return (f"rank {rank}: not all {world} ranks joined the process group at {where} within {seconds:g} s "
-            f"(dsrl.run.join_timeout_s, or ${timeouts.JOIN_TIMEOUT_ENV}); a node that never started its ranks "
-            "(see the launcher's output, e.g. pdsh's ssh errors) or a wrong MASTER_ADDR/port usually causes "
-            f"this. ({first})")
+    return (f"rank {rank}: every one of the {world} ranks checked in at {where}, but the process group was not built "
+            f"within {seconds:g} s (dsrl.run.join_timeout_s, or ${timeouts.JOIN_TIMEOUT_ENV}); see the other ranks' "
+            f"output for one that ended or stalled after checking in. ({first})")
 
 
 def on_gpu() -> bool:

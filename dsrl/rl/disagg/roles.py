@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from dsrl.config import ConfigError, DsrlConfig
 from dsrl.config.names import DISAGGREGATED
-from dsrl.core import collectives, timeouts
+from dsrl.core import collectives, launchers, rendezvous, timeouts
 from dsrl.core.errors import RunError
 from dsrl.core.plan import trainer_world_size
 from dsrl.runtime.peers import Peers
@@ -139,8 +139,8 @@ def split_world(cfg: DsrlConfig) -> Role | None:
     trainers = trainer_world_size(cfg, world)
     join = timedelta(seconds=timeouts.join_timeout_s(cfg.run.join_timeout_s))
     bound = timedelta(seconds=cfg.run.collective_timeout_s)
+    store = rendezvous.check_in(launchers.adopt(), join.total_seconds())  # the start-up preflight, on the job's store
     try:
-        store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=join)
         peers = Peers.publish(store, rank, world, label=lambda r: _label(r, trainers))
     except RuntimeError as e:
         if timeouts.looks_like_timeout(e):
