@@ -3,7 +3,9 @@
 from setuptools import find_packages, setup
 
 setup(
-    name="dsrl",
+    # The distribution's name: the package index's "dsrl" is an unrelated project, so dsrl installs from the checkout
+    # (pip install -e ".[extra]") as dsrl-exact; the import name and the `dsrl` command stay dsrl.
+    name="dsrl-exact",
     version="0.1.0",
     description="Numerically exact RL post-training (PPO/GRPO/RLOO/DAPO) on DeepSpeed and Megatron",
     long_description=open("README.md", encoding="utf-8").read(),
