@@ -34,7 +34,7 @@ import torch
 from dsrl.checkpoint.adapters import ADAPTER_CONFIG, HF_META
 from dsrl.config import ConfigError
 
-PEFT_HINT = "pip install 'dsrl[lora]' (peft>=0.21,<0.22)"
+PEFT_HINT = "pip install -e '.[lora]' (in the dsrl checkout) (peft>=0.21,<0.22)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -12,7 +12,7 @@ from dsrl.config.section import Section, setting
 
 
 class LoraConfig(Section):
-    """LoRA adapters (Hugging Face PEFT, `pip install 'dsrl[lora]'`): the adapters (and `modules_to_save`) are
+    """LoRA adapters (Hugging Face PEFT, `pip install -e '.[lora]'`): the adapters (and `modules_to_save`) are
     the only trainable parameters; the KL reference is the same model with its adapters disabled (docs/lora.md)."""
 
     PATH: ClassVar[str] = "dsrl.model.lora"

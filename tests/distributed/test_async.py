@@ -261,6 +261,7 @@ def test_configuration_errors_of_both_sides_are_printed_once_before_any_work(tmp
     assert proc.returncode == 2, text[-3000:]
     assert text.count("dsrl: configuration error:") == 1, text[-3000:]
     assert "2 problems:" in text and "warmup_num_steps = 10 is not shorter" in text, text[-3000:]
-    assert "rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: pip install 'dsrl[vllm]'" in text
+    assert "rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: in the dsrl checkout, pip install -e " \
+           "'.[vllm]'" in text
     assert "Traceback" not in text and "ended before the run started" not in text, text[-3000:]
     assert not out.exists()

@@ -107,7 +107,7 @@ def test_auto_rederivation_flags_disagreements():
 
 def test_lora_bench_runs():
     """bench/lora.py's smallest configuration (LoRA vs full on the tiny shape, ZeRO-2, one spawned rank)."""
-    pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
+    pytest.importorskip("peft", reason="PEFT is not installed (in the dsrl checkout: pip install -e '.[lora]')")
     out = run(["bench/lora.py", "--shape", "tiny", "--ranks", "1", "--zero_stages", "2", "--steps", "2", "--seq_len",
                "16", "--micro", "2", "--accum", "1", "--no-record"], timeout=300).stdout
     assert "optimizer state LoRA/full" in out and "| ZeRO-2 | lora |" in out

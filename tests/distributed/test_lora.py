@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import EXTENDED, REPO, launch, one_rank, write_json
 
-pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
+pytest.importorskip("peft", reason="PEFT is not installed (in the dsrl checkout: pip install -e '.[lora]')")
 
 TOL = 1e-6
 ROLLOUTS = 3

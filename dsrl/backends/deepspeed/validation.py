@@ -96,8 +96,9 @@ def check_lora_run(ds_config: dict[str, Any]) -> None:
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:
-        raise ConfigError("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: pip install "
-                          "'dsrl[lora]' (peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every parameter.")
+        raise ConfigError("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: in the dsrl checkout, "
+                          "pip install -e '.[lora]' (peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every "
+                          "parameter.")
 
 
 def accelerator_is_gpu() -> bool:

@@ -1,6 +1,6 @@
 """dsrl inside Megatron training loops: exact normalisation under TP, PP, CP and variable micro-batch counts.
 
-megatron-core is imported lazily (``pip install 'dsrl[megatron]'``); importing this package needs
+megatron-core is imported lazily (``pip install -e '.[megatron]' (in the dsrl checkout)``); importing this package needs
 only torch. Public names:
 
 - :class:`MegatronRLStep` -- one exact optimizer step per mini-batch (one ``forward_backward_func``

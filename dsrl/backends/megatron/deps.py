@@ -16,5 +16,5 @@ def require_megatron() -> None:
             ) from exc
         raise ImportError(
             "dsrl.backends.megatron needs megatron-core (0.16.1-0.19.x; 0.17+ needs Python >= 3.12). "
-            "Install it with: pip install 'dsrl[megatron]'"
+            "Install it with: pip install -e '.[megatron]' (in the dsrl checkout)"
         ) from exc

@@ -2,7 +2,7 @@
 
 Invariants:
 - PEFT is imported only when ``dsrl.model.lora`` is set; without it the error is one sentence naming
-  ``pip install 'dsrl[lora]'``: a ConfigError when the run file is checked, before any work
+  ``pip install -e '.[lora]' (in the dsrl checkout)``: a ConfigError when the run file is checked, before any work
   (:func:`dsrl.backends.deepspeed.validation.check_lora_run`), an ImportError from :func:`import_peft`;
 - :func:`apply_lora` wraps the model *before* ``dsrl.initialize``: the adapters (and ``modules_to_save``) are then
   the only parameters with ``requires_grad``, so they are the only ones DeepSpeed's optimizer holds (its state
@@ -34,8 +34,8 @@ from dsrl.config import ConfigError, LoraConfig
 if TYPE_CHECKING:
     from dsrl.backends.deepspeed.engine import RLEngine
 
-INSTALL_HINT = ("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: pip install 'dsrl[lora]' "
-                "(peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every parameter.")
+INSTALL_HINT = ("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: in the dsrl checkout, "
+                "pip install -e '.[lora]' (peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every parameter.")
 TIED_NAMES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings")
 
 
