@@ -200,7 +200,9 @@ def test_balance_term_against_its_definition():
 
 def _run_file(tmp_path, **model) -> str:
     path = tmp_path / "run.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 0}, "dsrl": {
+    path.write_text(json.dumps({"zero_optimization": {"stage": 0},
+                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                "dsrl": {
         "batch": {"prompts_per_rollout": 4, "samples_per_prompt": 2, "mini_batch_size": 8,
                   "micro_batch_size_per_rank": 2}, "run": {"rollouts": 2}, "model": model}}))
     return str(path)

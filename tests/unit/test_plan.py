@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from conftest import write_json
+from conftest import REPO, write_json
 
 from dsrl.cli.main import main
 from dsrl.config import load_config
@@ -108,3 +108,14 @@ def test_dsrl_plan_cli_json(tmp_path, capsys):
     # An error exits 2 and names the field.
     rc = main(["plan", "--ds_config", str(path), "--world_size", "3", "--dataset_size", "490"])
     assert rc == 2 and "dsrl.batch.prompts_per_rollout" in capsys.readouterr().err
+
+
+def test_dsrl_plan_refuses_a_run_file_the_trainer_cannot_run(tmp_path, capsys):
+    """A run file without an "optimizer" section plans (the batch rows are fine) but cannot train: dsrl plan refuses
+    it with one sentence, as the trainer would, instead of printing a plan."""
+    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw.pop("optimizer")
+    path = write_json(tmp_path / "no_optimizer.json", raw)
+    assert main(["plan", "--ds_config", str(path), "--world_size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("configuration error") == 1 and 'no "optimizer" section' in err and "Fix: add one" in err

@@ -80,6 +80,11 @@ def validated_deepspeed_config(
         check_lora_run(ds)
     with deepspeed_warnings() as warned:
         ds_cfg = check_with_deepspeed(ds, mpu=mpu, client_optimizer=client_optimizer)
+        if client_optimizer is None and ds_cfg.optimizer_name is None:
+            raise ConfigError(
+                "the ds_config has no \"optimizer\" section (and no optimizer is passed to dsrl.initialize): DeepSpeed "
+                "would build an engine that cannot take a step, and dsrl could not schedule its learning rate. Fix: "
+                "add one, e.g. \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-6}}.")
         optimizer = None
         if client_optimizer is None and ds_cfg.optimizer_name is not None:
             optimizer = check_optimizer(ds, ds_cfg, on_gpu=on_gpu)
