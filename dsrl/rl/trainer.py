@@ -57,6 +57,7 @@ from dsrl.rl.disagg.remote import GenerationStopped
 from dsrl.rl.disagg.roles import Role
 from dsrl.rl.empty_rollouts import EmptyRollouts, RolloutOutcome
 from dsrl.rl.experience import ExperienceMaker, ExperienceSettings, Rewards
+from dsrl.rl.memory import StateOffload
 from dsrl.rl.policy_loss import PolicyLoss
 from dsrl.rl.rewards.contract import all_timed_out
 from dsrl.rl.rewards.functions import load_accuracy_fn
@@ -124,11 +125,13 @@ class Trainer:
         # The KL reference: a frozen copy, or for LoRA the policy itself with its adapters disabled (no copy).
         self.ref_model = frozen_copy(model) if d.algorithm.kl_coef > 0 and d.model.lora is None else None
         self.rl: RLEngine = initialize(model, spec)
+        self.memory = StateOffload(d.memory, [self.rl])  # states off the device while generating (dsrl.rl.memory)
         self.plan = self.rl.plan
         self.device = self.rl.device
         ref_module = self.ref_model  # the frozen copy's module, whatever wraps it below (its routers: MoE replay)
         if self.ref_model is not None:
-            self.ref_model = FrozenModel(frozen_engine(self.ref_model, self.rl, self.device), self.device)
+            frozen = frozen_engine(self.ref_model, self.rl, self.device)
+            self.ref_model = FrozenModel(frozen, self.device, self.memory.frozen(frozen))
         elif d.algorithm.kl_coef > 0:
             from dsrl.rl.policy.lora import AdaptersDisabled
 
@@ -143,8 +146,11 @@ class Trainer:
             from dsrl.rl.rewards.model import RewardModel
 
             self.reward_model = RewardModel.load(d.data.reward_model, tok, self.rl, on_gpu=self.on_gpu,
-                                                 micro_batch_size=d.rollout.logprob_micro_batch_size)
+                                                 micro_batch_size=d.rollout.logprob_micro_batch_size,
+                                                 offload=self.memory.frozen)
         self.critic = build_critic(critic_spec, tok, seed=d.run.seed)  # the value model, or NO_CRITIC
+        for critic_engine in self.critic.companions().values():
+            self.memory.add_engine(critic_engine)
         self.sampler = PromptSampler(len(self.prompts), self.plan.prompts_per_rollout, seed=d.run.seed,
                                      last_rollout=d.run.last_rollout)
         self.prompt_source = PromptSource(self.prompts, self.sampler, tok, d.data)
@@ -241,6 +247,7 @@ class Trainer:
         """Commit checkpoint ``rollout{rollout_index}``; ``stream`` (from :meth:`_stream_state`) is the state at the
         boundary after that rollout when the live state has moved past it (prompts drawn for the next rollout)."""
         stream = stream or self._stream_state()
+        self.memory.reload()  # the engines are saved with their states on the device
         tag = f"rollout{self.rollout_index}"
         client = {"rollout": self.rollout_index, "calls": stream["calls"], "sampler": stream["sampler"],
                   "empty_rollouts": stream["empty_rollouts"],
@@ -398,6 +405,7 @@ class Trainer:
             self.stop.new_rollout()
             boundary = self._stream_state()  # make() draws the next prompts: a stop inside it commits this state
             self.phases.start_rollout(self.rollout_index)
+            self.memory.release()
             try:
                 local, stats, rounds = self.experience.make(self.rollout_index)
             except GenerationStopped as e:
@@ -408,6 +416,7 @@ class Trainer:
                       self.rollout_index + 1, len(local), sum(not s.active for s in local), rounds, stats.rollout_s)
             self._count_phase_tokens(local)
             t0 = time.perf_counter()
+            self.memory.reload()
             try:
                 with self.watch.phase("step"), self.phases.phase("train"):
                     results = self.train_rollout(local, lambda res, critic_res: self._on_step(res, critic_res, bar))
@@ -424,6 +433,7 @@ class Trainer:
                                      local_train_s=stats.train_s, elapsed_s=time.perf_counter() - t_loop)
             summary.update(self.critic.rollout_metrics())
             summary.update(phase_record(self.phases.take().reduced(self.device), self.world))
+            summary.update(self.memory.record(self.device, self.world))
             self.metrics.write("rollout", summary, self.rl.optimizer_steps)
             if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
                 raise RunError(problem, agreed=True)

@@ -1,5 +1,6 @@
 """The experience maker hands each rollout's generation the policy's current weights: the backend's
-``sync_weights`` runs once per rollout, before generation. (``rollout.backend = "vllm"`` without vLLM fails with
+``sync_weights`` runs once per rollout, before generation, and its ``sleep`` once after it (a vLLM engine frees its
+memory there until the next sync). (``rollout.backend = "vllm"`` without vLLM fails with
 the install hint: tests/unit/test_models_rollout.py; vLLM itself: the tests/vllm tier.)"""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import types
 
 from dsrl.rl.experience import ExperienceMaker
+from dsrl.rl.rollout_stats import RolloutStats
 from dsrl.rollout.base import RolloutBackend
 
 
@@ -22,6 +24,9 @@ class _Recording(RolloutBackend):
     def sync_weights(self) -> None:
         self.calls.append("sync")
 
+    def sleep(self) -> None:
+        self.calls.append("sleep")
+
 
 def test_each_rollout_syncs_the_generator_weights_before_generating(monkeypatch):
     calls = []
@@ -29,15 +34,11 @@ def test_each_rollout_syncs_the_generator_weights_before_generating(monkeypatch)
     policy = types.SimpleNamespace(view=types.SimpleNamespace(data_parallel_rank=0), device="cpu")
     tokenizer = types.SimpleNamespace(pad_token_id=0)
     maker = ExperienceMaker(None, None, policy, backend, tokenizer, None, None, None)
-    monkeypatch.setattr(maker, "collect", lambda i: (calls.append(f"collect {i}"), ([], _Stats(), 1))[1])
+    monkeypatch.setattr(maker, "collect", lambda i: (calls.append(f"collect {i}"), ([], RolloutStats(), 1))[1])
     monkeypatch.setattr(maker, "score_logprobs", lambda s: None)
     monkeypatch.setattr(maker, "correct_off_policy", lambda s, stats: None)
     monkeypatch.setattr(maker, "advantages", lambda s: None)
     monkeypatch.setattr("dsrl.rl.experience.is_source", lambda view: False)
     maker.make(0)
     maker.make(1)
-    assert calls == ["sync", "collect 0", "sync", "collect 1"]
-
-
-class _Stats:
-    rollout_s = 0.0
+    assert calls == ["sync", "collect 0", "sleep", "sync", "collect 1", "sleep"]

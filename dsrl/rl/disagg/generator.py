@@ -145,7 +145,14 @@ class GeneratorWorker:
                 if stop:
                     self._finish(pending)
                     return
-                layout.unpack(receiver.buffers, self.weights.state_dict())
+                try:
+                    complete = receiver.receive_into(self.weights.state_dict(), self._deadline())
+                except RuntimeError as e:
+                    raise self._trainer_gone(f"lost {role.describe(0)} while receiving the weights of rollout "
+                                             f"{r + 1} (version {version})", e) from e
+                if not complete:
+                    raise self._trainer_gone(f"the weights of rollout {r + 1} (version {version}) did not arrive "
+                                             f"within {self.bound_s:g} s")
                 self.backend.sync_weights()
                 receiver.post()
             idle = time.perf_counter() - t_idle

@@ -102,8 +102,11 @@ class RolloutSide:
 
             return {"bounds": CallBounds.of_run(prompts_per_call, d.batch.samples_per_prompt,
                                                 d.rollout.generation_batch_size, d.max_generation_tokens)}
+        from dsrl.core.buckets import bucket_bytes
+
         return {"max_model_len": d.max_generation_tokens, "samples_per_prompt": d.batch.samples_per_prompt,
-                "seed": d.run.seed}
+                "seed": d.run.seed, "sleep_level": d.memory.vllm_sleep_level,
+                "bucket_bytes": bucket_bytes(d.memory.weight_sync_bucket_mib)}
 
     def backend(self, policy: Any, prompts_per_call: int) -> RolloutBackend:
         """The run's ``rollout.backend`` generating with ``policy`` (an RLEngine, or this side's model), whose

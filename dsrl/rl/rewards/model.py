@@ -18,7 +18,9 @@ The reward of a sample is ``data.reward_model_weight * score + data.rule_reward_
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +32,12 @@ from dsrl.config import ConfigError
 class RewardModel:
     """Scores token sequences with a sequence-classification model (module docstring)."""
 
-    def __init__(self, model: Any, head: torch.nn.Module, pad_id: int, micro_batch_size: int, device: Any):
+    def __init__(self, model: Any, head: torch.nn.Module, pad_id: int, micro_batch_size: int, device: Any,
+                 offload: Callable[[Any], Any] | None = None):
+        """``offload``: with ``dsrl.memory.offload_states``, makes the placed model's
+        :class:`dsrl.backends.deepspeed.offload.FrozenWeights` (the weights leave the device between scoring passes)."""
         self.model, self.pad_id, self.micro_batch_size, self.device = model, pad_id, micro_batch_size, device
+        self.offload = offload(model) if offload is not None else None
         self._per_position: torch.Tensor | None = None
         head.register_forward_hook(self._capture)
         self.filler_forwards = 0  # forwards this rank ran only to match other ranks' counts (ZeRO-3)
@@ -40,7 +46,8 @@ class RewardModel:
         self._per_position = output
 
     @classmethod
-    def load(cls, path: str, tokenizer: Any, rl: Any, *, on_gpu: bool, micro_batch_size: int) -> RewardModel:
+    def load(cls, path: str, tokenizer: Any, rl: Any, *, on_gpu: bool, micro_batch_size: int,
+             offload: Callable[[Any], Any] | None = None) -> RewardModel:
         """Load ``path`` (``dsrl.data.reward_model``) and place it like the policy engine ``rl``."""
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -67,7 +74,8 @@ class RewardModel:
             raise ConfigError(f"{field} = {path!r} is a {type(model).__name__} without a 'score' head; dsrl reads the "
                               "score of causal-LM sequence classifiers (Llama, Qwen2, Mistral, ... "
                               "ForSequenceClassification).")
-        return cls(frozen_engine(model, rl, rl.device), head, tokenizer.pad_token_id, micro_batch_size, rl.device)
+        return cls(frozen_engine(model, rl, rl.device), head, tokenizer.pad_token_id, micro_batch_size, rl.device,
+                   offload)
 
     def _forward(self, model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], use_cache=False)
@@ -95,7 +103,8 @@ class RewardModel:
         micros = [self._collate(sequences[i:i + self.micro_batch_size])
                   for i in range(0, len(sequences), self.micro_batch_size)]
         filler = self._collate([[self.pad_id]])
-        outs, fillers = equal_forwards(self.model, micros, self._forward, filler, self.device)
+        with self.offload.for_pass() if self.offload is not None else contextlib.nullcontext():
+            outs, fillers = equal_forwards(self.model, micros, self._forward, filler, self.device)
         self.filler_forwards += fillers
         return [float(x) for out in outs for x in out.tolist()]
 
