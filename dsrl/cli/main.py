@@ -201,7 +201,8 @@ def _memory_verdict(memory: dict[str, Any]) -> int:
         print(f"dsrl plan: warning: {text}", file=sys.stderr)
     refusals = memory.get("memory_refusals") or []
     if refusals:
-        print("dsrl: configuration error: this run does not fit: " + " ".join(refusals), file=sys.stderr)
+        lines = "\n".join(f"  - {r}" for r in refusals)
+        print(f"dsrl: configuration error: this run does not fit the device:\n{lines}", file=sys.stderr)
         return 2
     return 0
 

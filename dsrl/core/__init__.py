@@ -4,7 +4,9 @@ Owns: :class:`BatchPlan` (:mod:`.plan`), rollout -> mini-batch -> micro-batch pa
 balancing (:mod:`.partition`, :mod:`.balance`), the aggregation weights (:mod:`.weights`), log-probs
 with the output head fused into a tiled log-softmax (:mod:`.logprobs`), the step every backend runs
 (:mod:`.step`), the parallel layout a rank sees (:mod:`.parallel`), small collectives and their time
-bounds (:mod:`.collectives`, :mod:`.timeouts`), seeds (:mod:`.seeds`) and run errors (:mod:`.errors`).
+bounds (:mod:`.collectives`, :mod:`.timeouts`), seeds (:mod:`.seeds`), run errors (:mod:`.errors`), the memory
+model of ``dsrl plan`` (:mod:`.memory`), weight-sync buckets (:mod:`.buckets`) and what a rollout moved between
+device and host (:mod:`.traffic`).
 
 May import: :mod:`dsrl.config`, torch (torch.distributed only through a group it is given); never
 DeepSpeed or Megatron.

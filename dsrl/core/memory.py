@@ -116,9 +116,8 @@ class MemorySetup:
         max_len = d.data.max_prompt_tokens + d.max_completion_tokens
         b = plan.max_tokens_per_micro_batch
         train_tokens = b if b is not None else plan.micro_batch_size_per_rank * max_len
-        gen_prompts = plan.prompts_per_rollout // max(plan.data_parallel_size // max(plan.generator_ranks, 1), 1) \
-            if plan.placement == DISAGGREGATED else plan.prompts_per_rank
-        sequences = max(1, min(gen_prompts, d.rollout.generation_batch_size)) * plan.samples_per_prompt
+        # a generate call holds one replica's share of the prompts (a generator rank makes one call per replica)
+        sequences = max(1, min(plan.prompts_per_rank, d.rollout.generation_batch_size)) * plan.samples_per_prompt
         return cls(shape=shape, weight_bytes=weight_bytes, zero_stage=stage, data_parallel=plan.data_parallel_size,
                    tensor_parallel=max(1, int(tp.get("autotp_size", 1) or 1)),
                    offload_optimizer=_device_set(zero.get("offload_optimizer")),
@@ -309,7 +308,7 @@ _FIXES = {
     "kv_cache": "a smaller dsrl.rollout.generation_batch_size (fewer sequences decode at once)",
     "cb_kv_cache": "a smaller dsrl.rollout.generation_batch_size (fewer sequences decode at once), or "
                    "rollout.backend 'hf' (its cache lives only while it generates)",
-    "prefill_activations": "a smaller dsrl.rollout.generation_batch_size",
+    "prefill_activations": "a smaller dsrl.rollout.generation_batch_size (fewer sequences decode at once)",
     "vllm_engine": "a smaller dsrl.rollout.vllm_gpu_memory_utilization, or dsrl.memory.vllm_sleep_level = 1 "
                    "(asleep outside generation)",
     "gathered_weights": "hf generation gathers the whole ZeRO-3 model: rollout.backend 'vllm' syncs it instead",
@@ -339,7 +338,7 @@ def fit(phases: dict[str, PhaseMemory], device_bytes: int, m: MemorySetup) -> Fi
         phase = phases[name]
         total = phase.total
         biggest = sorted(phase.parts.items(), key=lambda kv: -kv[1])
-        parts = ", ".join(f"{k} {v / MIB:,.0f}" for k, v in biggest[:4] if v)
+        parts = ", ".join(f"{k} {v / MIB:,.1f}" for k, v in biggest[:4] if v)
         if total > device_bytes:
             fixes = []
             for part, _ in biggest:

@@ -1,8 +1,9 @@
 """The RL application: the trainer loop and everything it composes, in rooms by concern.
 
 Owns, at this level: the loop (:mod:`.trainer`), one rollout's experience (:mod:`.experience`), the critic
-(:mod:`.critic`: a value model, or its null object), the supervised warm-up (:mod:`.sft`) and the guard against
-rollouts that train on nothing (:mod:`.empty_rollouts`). Rooms, each a package of its own:
+(:mod:`.critic`: a value model, or its null object), the supervised warm-up (:mod:`.sft`), the guard against
+rollouts that train on nothing (:mod:`.empty_rollouts`) and the run's device memory between phases
+(:mod:`.memory`: training state offloaded while generating). Rooms, each a package of its own:
 
 - :mod:`.policy` -- the policy model (a checkpoint or the tiny built-in one), its LoRA adapters, its tokenizer, and
   the one builder of the rollout side (tokenizer, model, backend) that every placement uses;

@@ -14,6 +14,13 @@ into fresh device buffers), the run without it none.
 
 A planted bug fails these tests: a reload that does nothing is refused at the next step (the engine still
 reports offloaded states), and a reload that restores the first offload's optimizer states changes the steps.
+
+One rank, ZeRO-2 and ZeRO-3, in the extended tier (tests/workers/offload_worker.py): with Python's
+garbage collector off, the offload leaves no live tensor on a storage the training state used (reference counting
+releases it: the garbage collections inside DeepSpeed's offload_states are made to scan nothing), a step while
+offloaded is refused, the reload gives every state tensor back bit for bit (and leaves none of the offload's host
+buffers in the optimizer's state, which a checkpoint would save), and the frozen reference's pass gives
+the same log-probs around its offloads, from aligned views, with its host copy written once.
 """
 
 from __future__ import annotations
@@ -90,3 +97,18 @@ def test_offload_is_bitwise_the_same_zero2_with_reference_and_reward_model(tmp_p
 @pytest.mark.parametrize("case", ["zero1-lora", "zero3-ppo"])
 def test_offload_is_bitwise_the_same(tmp_path, case):
     _same_training(tmp_path, case)
+
+
+@EXTENDED
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_releases_the_state_and_gives_it_back(tmp_path, stage):
+    out = tmp_path / "report.json"
+    launch(["tests/workers/offload_worker.py", "--out", str(out), "--stage", str(stage)], nprocs=1, timeout=600)
+    r = json.loads(out.read_text())
+    assert r["steps"] > 0 and r["state_storages"] > 0 and r["offload_bytes"] > 0, r
+    assert r["still_alive"] == 0, r  # no view kept a moved buffer alive
+    assert "were offloaded to the host" in r["step_while_offloaded"], r
+    assert r["reloaded_equal"], r
+    assert not [k for k in r["optimizer_state_keys"] if "offload" in k], r  # checkpoints hold no host copies
+    assert r["reference_equal"] and r["reference_aligned"] and r["reference_host_reused"], r
+    assert not r["reference_resident"] and r["reference_tensors"] > 0, r

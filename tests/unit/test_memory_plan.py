@@ -111,7 +111,7 @@ def test_a_run_that_cannot_fit_is_refused_with_its_numbers_and_the_fix(capsys, t
     code = main(["plan", "--ds_config", str(path), "--device_memory_gib", "0.004"])
     out, err = capsys.readouterr()
     assert code == 2 and "memory: training" in out  # the numbers are printed, then the refusal
-    assert "does not fit: the generation phase needs" in err and "the training phase needs" in err, err
+    assert "does not fit the device:\n  - the generation phase needs" in err and "  - the training phase needs" in err
     assert "MiB on every rank (" in err and "but the device has 4 MiB (--device_memory_gib 0.004)" in err, err
     assert "Fix: dsrl.model.gradient_checkpointing = true" in err and "dsrl.memory.offload_states = true" in err, err
     training = json.loads(_json(capsys, path, "0.004"))["memory"]["training"]["total_mib"]
