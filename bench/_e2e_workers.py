@@ -92,10 +92,11 @@ def _profiled(w: Workload, rollout: int) -> bool:
 
 def dsrl_run_file(w: Workload, run_dir: str, offload: bool = False) -> dict[str, Any]:
     """The run file dsrl's side trains with (the ds_config TRL + DeepSpeed mirrors: :func:`trl_deepspeed_config`);
-    ``offload``: with ``dsrl.memory.offload_states``."""
+    ``offload``: with ``dsrl.memory.offload_states``, under ZeRO-2 (ZeRO-1 with bf16 and fp32 gradient accumulation
+    runs DeepSpeed's BF16_Optimizer, which cannot offload: docs/memory.md)."""
     return {
         # ZeRO-1 on one device partitions nothing; unlike ZeRO-0 it accepts bf16 with fp32 gradient accumulation
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": 2 if offload else 1},
         "optimizer": {"type": "AdamW", "params": {"lr": w.lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": 0.0, "torch_adam": True}},
         "gradient_clipping": 1.0,

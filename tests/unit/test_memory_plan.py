@@ -41,6 +41,30 @@ def test_model_state_rows_are_deepspeeds_estimates(params, ranks):
         assert abs(mine - theirs) <= 3, (optimizer, param, mine, theirs)
 
 
+def test_the_printed_all_cold_tables_agree(capsys):
+    """The tables DeepSpeed prints for a hypothetical model (estimate_zero2/3_model_states_mem_needs_all_cold), per
+    GPU in GB with two decimals, for Qwen2.5-7B's parameter count on 8 GPUs."""
+    import re
+
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
+
+    params, largest, ranks = 7_615_616_512, 544_997_376, 8
+    estimate_zero2_model_states_mem_needs_all_cold(params, num_gpus_per_node=ranks)
+    estimate_zero3_model_states_mem_needs_all_cold(params, largest, num_gpus_per_node=ranks)
+    text = capsys.readouterr().out.replace("OffloadDeviceEnum.", "")
+    printed = {m[1]: float(m[0]) for m in re.findall(r"\|\s+([\d.]+)GB \| (.+?)\n", text)}
+    mine = {"offload_optimizer=cpu": (2, True, False), "offload_optimizer=none": (2, False, False),
+            "offload_param=none, offload_optimizer=none, zero_init=1": (3, False, False),
+            "offload_param=none, offload_optimizer=cpu, zero_init=1": (3, True, False),
+            "offload_param=cpu, offload_optimizer=cpu, zero_init=1": (3, True, True)}
+    assert set(mine) <= set(printed), printed
+    for options, (stage, optimizer, param) in mine.items():
+        got = sum(model_states(params, params, largest, ranks, stage, 2, offload_optimizer=optimizer,
+                               offload_param=param).values())
+        assert round(got / 2**30, 2) == printed[options], (options, got / 2**30, printed[options])
+
+
 def test_lora_states_count_the_adapters_only():
     full = model_states(10**6, 10**6, 10**5, 2, 2, 2)
     lora = model_states(10**6, 10**4, 10**5, 2, 2, 2)

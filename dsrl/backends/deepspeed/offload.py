@@ -16,11 +16,13 @@
   emptied.
 
 Where DeepSpeed 0.19.8 cannot offload (:func:`offload_refusal`): ZeRO-0 (no ZeRO optimizer; a rule of
-:mod:`dsrl.config.support`), ZeRO-3 with any optimizer but DeepSpeed's FusedAdam (its stage-3 ``offload_states``
-asserts "Offloading is supported only for DeepSpeed FusedAdam"), ZeRO-3 with parameter offload ("Moving states
-across devices is not supported for offloaded parameters"). With ``offload_optimizer`` DeepSpeed already keeps the
-optimizer states and master weights on the host and moves the rest. On the CPU accelerator dsrl lets DeepSpeed
-build its FusedAdam for ZeRO-3 runs that offload (a one-time JIT build, cached), instead of torch's AdamW.
+:mod:`dsrl.config.support`), ZeRO-1 with bf16 and fp32 gradient accumulation (DeepSpeed runs it with its
+BF16_Optimizer, which has no ``offload_states``), ZeRO-3 with any optimizer but DeepSpeed's FusedAdam (its
+stage-3 ``offload_states`` asserts "Offloading is supported only for DeepSpeed FusedAdam"), ZeRO-3 with parameter
+offload ("Moving states across devices is not supported for offloaded parameters"). With ``offload_optimizer``
+DeepSpeed already keeps the optimizer states and master weights on the host and moves the rest. On the CPU
+accelerator dsrl lets DeepSpeed build its FusedAdam for ZeRO-3 runs that offload (a one-time JIT build, cached),
+instead of torch's AdamW.
 
 Bytes are measured, not estimated (:mod:`dsrl.core.traffic`): on an accelerator the drop (offload) or rise
 (reload) of its allocator's allocated bytes; on the CPU accelerator (one memory) the bytes of the state tensors whose
@@ -49,6 +51,14 @@ def offload_refusal(ds_config: dict[str, Any], client_optimizer: Any = None) -> 
     """Why DeepSpeed cannot offload this run's training state (one sentence with the fix), or None when it can.
     ``ds_config`` is the one DeepSpeed will see; ZeRO-0 is refused with the run file (``offload-zero0``)."""
     zero = ds_config.get("zero_optimization") if isinstance(ds_config.get("zero_optimization"), dict) else {}
+    optimizer_device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    bf16 = isinstance(ds_config.get("bf16"), dict) and ds_config["bf16"].get("enabled") is True
+    accumulate = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    if zero.get("stage") == 1 and bf16 and accumulate in ("fp32", "float32") and optimizer_device in ("none", ""):
+        return ("dsrl.memory.offload_states with ZeRO-1, bf16 and fp32 gradient accumulation (data_types."
+                "grad_accum_dtype, dsrl's default for exactness): DeepSpeed 0.19.8 runs that combination with its "
+                "BF16_Optimizer, which has no offload_states. Fix: zero_optimization.stage 2 (on one device the same "
+                "memory as ZeRO-1), or set memory.offload_states to false.")
     if zero.get("stage") != 3:
         return None
     param_device = str((zero.get("offload_param") or {}).get("device", "none")).lower()
@@ -57,7 +67,6 @@ def offload_refusal(ds_config: dict[str, Any], client_optimizer: Any = None) -> 
                 "DeepSpeed's offload_states refuses engines whose parameters are offloaded (\"Moving states across "
                 "devices is not supported for offloaded parameters\"). Fix: remove offload_param, or set "
                 "memory.offload_states to false.")
-    optimizer_device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
     if optimizer_device not in ("none", ""):
         return None  # DeepSpeed keeps optimizer states and master weights on the host itself and moves the rest
     opt = ds_config.get("optimizer") if isinstance(ds_config.get("optimizer"), dict) else None

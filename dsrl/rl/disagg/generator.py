@@ -172,6 +172,8 @@ class GeneratorWorker:
         while True:
             try:
                 got = receiver.take(self._deadline())
+                if got is not None and not got[1]:  # a version sent after the last rollout: take its buckets
+                    receiver.receive_into(None, self._deadline())
             except RuntimeError:
                 return
             if got is None or got[1]:

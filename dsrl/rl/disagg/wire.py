@@ -285,16 +285,17 @@ class WeightReceiver:
         version, stop = (int(x) for x in self.header.tolist())
         return version, bool(stop)
 
-    def receive_into(self, state: Mapping[str, torch.Tensor], deadline: float | None = None) -> bool:
-        """The buckets of the version whose header :meth:`take` returned, unpacked into ``state`` in place; False if
-        ``deadline`` passed first."""
+    def receive_into(self, state: Mapping[str, torch.Tensor] | None, deadline: float | None = None) -> bool:
+        """The buckets of the version whose header :meth:`take` returned, unpacked into ``state`` in place (None:
+        received and dropped, so that the next header lines up); False if ``deadline`` passed first."""
         sizes = self.layout.bucket_sizes()
         n = len(sizes)
         works = [_broadcast(self.group, self.staging[i][:sizes[i]]) for i in range(min(2, n))]
         for i in range(n):
             if not wait(works[i], deadline):
                 return False
-            self.layout.unpack(self.staging[i % 2], i, state)
+            if state is not None:
+                self.layout.unpack(self.staging[i % 2], i, state)
             if i + 2 < n:
                 works.append(_broadcast(self.group, self.staging[i % 2][:sizes[i + 2]]))
         return True
