@@ -9,7 +9,10 @@ from typing import Any
 from _common import table
 from _profile import PHASES
 
-SIDE_NAMES = {"dsrl": "dsrl", "trl": "TRL default", "trl-ds": "TRL + DeepSpeed"}
+SIDE_NAMES = {"dsrl": "dsrl", "dsrl-offload": "dsrl, offload_states", "trl": "TRL default", "trl-ds": "TRL + DeepSpeed"}
+DSRL_SIDES = ("dsrl", "dsrl-offload")
+# what a dsrl worker reports beside its records (bench/_e2e_workers.py run_dsrl), kept from its first process
+CARRIED = ("plan_memory", "params", "weights_mib", "device_name", "generation_start_mib", "weight_sync_probe")
 
 
 def summarize(records: list[dict[str, Any]], w: Any) -> dict[str, float]:
@@ -28,6 +31,12 @@ def summarize(records: list[dict[str, Any]], w: Any) -> dict[str, float]:
         peaks = [r.get(f"peak_{p}_mb") for r in records if r.get(f"peak_{p}_mb") is not None]
         med[f"peak_{p}_mb"] = max(peaks) if peaks else None
     med["rollouts"] = len(steady)
+    for key in ("offload_s", "reload_s", "weight_sync_s", "train_phase_s"):  # dsrl's rows only
+        if all(key in r for r in steady):
+            med[key] = statistics.median(r[key] for r in steady)
+    if all("train_phase_s" in r for r in steady):  # model FLOPs of the training phase: tokens it trained on per s
+        med["train_phase_tok_s"] = statistics.median(w.epochs_per_rollout * r["sequence_tokens"]
+                                                     / max(r["train_phase_s"], 1e-9) for r in steady)
     return med
 
 
@@ -43,6 +52,10 @@ def combine(runs: list[dict[str, Any]], w: Any) -> dict[str, Any]:
                           for k in sums[0]}
         out["per_process_s"] = [s["rollout_s"] for s in sums]
     out["census"] = next((r["census"] for r in runs if r.get("census")), None)
+    for key in CARRIED:
+        value = next((r[key] for r in runs if r.get(key)), None)
+        if value is not None:
+            out[key] = value
     out["profile"] = next((r["profile"] for r in runs if r.get("profile")), None)
     return out
 
@@ -68,7 +81,7 @@ def results_table(results: dict[str, dict[str, Any]], gpu: bool) -> str:
                 continue
             peaks = ("/".join(_fmt(s[f"peak_{p}_mb"], ",.0f") for p in PHASES) if gpu else "-")
             vs = ""
-            if side != "dsrl" and base is not None:
+            if side not in DSRL_SIDES and base is not None:
                 vs = f"{s['rollout_s'] / base['rollout_s']:.2f} / {_ratio(base['peak_mb'], s['peak_mb'])}"
             note = " (partial)" if r["status"] != "ok" else ""
             rows.append([backend, SIDE_NAMES[side] + note, f"{s['rollout_s']:.2f}", f"{s['generate_s']:.2f}",
@@ -94,32 +107,33 @@ def verdict_table(results: dict[str, dict[str, Any]]) -> str:
     trl = {side: (results.get("hf", {}).get(side) or {}).get("summary") for side in SPEED_TARGETS}
     rows = []
     for backend, sides in results.items():
-        d = (sides.get("dsrl") or {}).get("summary")
-        if not d:
-            continue
-        for side, target in SPEED_TARGETS.items():
-            t = trl[side]
-            if not t:
-                continue
-            speed = t["rollout_s"] / d["rollout_s"]
-            row = [f"dsrl `{backend}`", SIDE_NAMES[side], f"{d['rollout_s']:.2f} / {t['rollout_s']:.2f}",
-                   f"{speed:.2f}x (>= {target}x: {'met' if speed >= target else 'missed'})"]
-            if side == "trl-ds":
-                met = d["peak_mb"] is not None and t["peak_mb"] is not None and d["peak_mb"] <= t["peak_mb"]
-                row.append(f"{_fmt(d['peak_mb'], ',.0f')} / {_fmt(t['peak_mb'], ',.0f')} (<=: "
-                           f"{'met' if met else 'missed'})")
-            else:
-                row.append("-")
-            if side == "trl":
-                met = d["logprobs_s"] <= t["logprobs_s"]
-                row.append(f"{d['logprobs_s']:.2f} / {t['logprobs_s']:.2f} (<=: {'met' if met else 'missed'})")
-            else:
-                row.append("-")
-            rows.append(row)
+        for dsrl_side in DSRL_SIDES:
+            d = (sides.get(dsrl_side) or {}).get("summary")
+            if d:
+                label = f"dsrl `{backend}`" + (", offload_states" if dsrl_side == "dsrl-offload" else "")
+                rows += [_verdict_row(label, d, side, trl[side], target) for side, target in SPEED_TARGETS.items()
+                         if trl[side]]
     if not rows:
         return ""
     return table(["dsrl", "against", "s/rollout dsrl / TRL", "rollouts/s dsrl over TRL", "peak MiB dsrl / TRL",
                   "old log-probs s dsrl / TRL"], rows)
+
+
+def _verdict_row(label: str, d: dict[str, Any], side: str, t: dict[str, Any], target: float) -> list[str]:
+    speed = t["rollout_s"] / d["rollout_s"]
+    row = [label, SIDE_NAMES[side], f"{d['rollout_s']:.2f} / {t['rollout_s']:.2f}",
+           f"{speed:.2f}x (>= {target}x: {'met' if speed >= target else 'missed'})"]
+    if side == "trl-ds":
+        met = d["peak_mb"] is not None and t["peak_mb"] is not None and d["peak_mb"] <= t["peak_mb"]
+        row.append(f"{_fmt(d['peak_mb'], ',.0f')} / {_fmt(t['peak_mb'], ',.0f')} (<=: {'met' if met else 'missed'})")
+    else:
+        row.append("-")
+    if side == "trl":
+        met = d["logprobs_s"] <= t["logprobs_s"]
+        row.append(f"{d['logprobs_s']:.2f} / {t['logprobs_s']:.2f} (<=: {'met' if met else 'missed'})")
+    else:
+        row.append("-")
+    return row
 
 
 def census_table(results: dict[str, dict[str, Any]]) -> str:

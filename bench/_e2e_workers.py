@@ -90,11 +90,13 @@ def _profiled(w: Workload, rollout: int) -> bool:
 # -- the dsrl side ----------------------------------------------------------------------------------
 
 
-def dsrl_run_file(w: Workload, run_dir: str) -> dict[str, Any]:
-    """The run file dsrl's side trains with (the ds_config TRL + DeepSpeed mirrors: :func:`trl_deepspeed_config`)."""
+def dsrl_run_file(w: Workload, run_dir: str, offload: bool = False) -> dict[str, Any]:
+    """The run file dsrl's side trains with (the ds_config TRL + DeepSpeed mirrors: :func:`trl_deepspeed_config`);
+    ``offload``: with ``dsrl.memory.offload_states``, under ZeRO-2 (ZeRO-1 with bf16 and fp32 gradient accumulation
+    runs DeepSpeed's BF16_Optimizer, which cannot offload: docs/memory.md)."""
     return {
         # ZeRO-1 on one device partitions nothing; unlike ZeRO-0 it accepts bf16 with fp32 gradient accumulation
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": 2 if offload else 1},
         "optimizer": {"type": "AdamW", "params": {"lr": w.lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": 0.0, "torch_adam": True}},
         "gradient_clipping": 1.0,
@@ -111,6 +113,7 @@ def dsrl_run_file(w: Workload, run_dir: str) -> dict[str, Any]:
                         "generation_batch_size": w.prompts_per_rollout,
                         "logprob_micro_batch_size": w.micro_batch_size},
             "algorithm": {"name": "grpo"},
+            "memory": {"offload_states": offload},
         },
     }
 
@@ -123,8 +126,13 @@ class DsrlWatcher:
     def __init__(self, w: Workload, model: Any, trainer: Any, out: WorkerOutput):
         self.w, self.model, self.trainer, self.out = w, model, trainer, out
         self.profiler: PhaseProfiler | None = None
+        out.data["generation_start_mib"] = []
 
     def phase_started(self, name: str, rollout: int) -> None:
+        if name == "generate" and self.w.device.startswith("cuda") and rollout < self.w.rollouts:
+            import torch  # what the device holds as generation starts: weights + what training left there
+
+            self.out.data["generation_start_mib"].append(torch.cuda.memory_allocated() / 2**20)
         if _profiled(self.w, rollout) and self.profiler is None:
             self.profiler = PhaseProfiler(self.model, self.w.device.startswith("cuda"), skip=self.w.profile_skip,
                                           window=self.w.profile_window)
@@ -145,9 +153,12 @@ class DsrlWatcher:
             self.out.write()
 
 
-def run_dsrl(w: Workload, out: WorkerOutput, run_dir: str) -> None:
+def run_dsrl(w: Workload, out: WorkerOutput, run_dir: str, offload: bool = False) -> None:
     """dsrl's Trainer on one device (ZeRO-1), run as launch/train.py runs it; its rows land in
-    ``run_dir/metrics.jsonl`` (read by the driver: :func:`dsrl_records`)."""
+    ``run_dir/metrics.jsonl`` (read by the driver: :func:`dsrl_records`). Beside them: ``dsrl plan``'s memory
+    prediction for this run file and model (:func:`plan_memory`), the device's allocated memory as each
+    generation starts, the weights' size and parameter count, and after the timed rollouts a bucketed weight copy
+    (:func:`weight_sync_probe`)."""
     import dsrl.rl.policy.model
     from dsrl.rl.trainer import Trainer
     from dsrl.rollout.auto import AutoRolloutBackend
@@ -158,7 +169,12 @@ def run_dsrl(w: Workload, out: WorkerOutput, run_dir: str) -> None:
     dsrl.rl.policy.model.build_model = lambda *a, **k: model
     if w.backend == "vllm":
         serve_biased_head(model)
-    trainer = Trainer.from_config(dsrl_run_file(w, run_dir))
+    run_file = dsrl_run_file(w, run_dir, offload)
+    out.data.update(plan_memory=plan_memory(run_file, model, w), params=sum(p.numel() for p in model.parameters()),
+                    weights_mib=sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+                    device_name=_device_name(w))
+    out.write()
+    trainer = Trainer.from_config(run_file)
     backend = trainer.parts.backend
     if isinstance(backend, AutoRolloutBackend):  # what "auto" runs on this workload (one call per rollout)
         picked = backend.choose(trainer.parts.plan.prompts_per_rank, w.samples_per_prompt)
@@ -166,6 +182,57 @@ def run_dsrl(w: Workload, out: WorkerOutput, run_dir: str) -> None:
         out.write()
     trainer.parts.phases.add_listener(DsrlWatcher(w, model, trainer, out))
     trainer.run()
+    out.data["weight_sync_probe"] = weight_sync_probe(model)
+    out.write()
+
+
+def _device_name(w: Workload) -> str:
+    if w.device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return "cpu"
+
+
+def plan_memory(run_file: dict[str, Any], model: Any, w: Workload) -> dict[str, Any]:
+    """``dsrl plan``'s memory per phase (dsrl/cli/memory.py) for this run file and this model's config, against the
+    local device: {phase: {"parts": MiB, "total_mib": MiB}} (phases: generation, logprobs, training)."""
+    from dsrl.cli.memory import memory_report
+    from dsrl.config import load_config
+    from dsrl.core.plan import BatchPlan
+
+    cfg = load_config(run_file)
+    plan = BatchPlan.from_config(cfg, 1, 512)
+    phases, _, _ = memory_report(cfg, plan, on_gpu=w.device.startswith("cuda"), world_size=1, config=model.config)
+    return {name: phase.to_json() for name, phase in phases.items()}
+
+
+def weight_sync_probe(model: Any, bucket_mib: float = 512.0, repeats: int = 3) -> dict[str, float]:
+    """The policy's generation weights copied in buckets of ``bucket_mib`` into a second copy on the same device
+    (what a colocated engine's load does at the least; vLLM's loader adds its own work): the fastest of
+    ``repeats`` syncs, its bytes and buckets. Runs after the timed rollouts (the second copy is the probe's)."""
+    import torch
+
+    from dsrl.core.buckets import bucket_bytes, whole_buckets
+    from dsrl.rollout.policy import iter_generation_weights
+
+    with torch.no_grad():
+        named = list(iter_generation_weights(model))
+        target = [torch.empty_like(t) for _, t in named]
+        buckets = whole_buckets([t.numel() * t.element_size() for _, t in named], bucket_bytes(bucket_mib))
+        cuda = next(model.parameters()).is_cuda
+        best = float("inf")
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for bucket in buckets:
+                torch._foreach_copy_([target[i] for i in bucket], [named[i][1] for i in bucket])
+            if cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+    return {"seconds": best, "bytes": float(sum(t.numel() * t.element_size() for _, t in named)),
+            "buckets": float(len(buckets))}
 
 
 def dsrl_records(run_dir: str, w: Workload) -> list[dict[str, Any]]:
@@ -196,6 +263,8 @@ def dsrl_records(run_dir: str, w: Workload) -> list[dict[str, Any]]:
             "sequence_tokens": (r["train_sequence_tokens_per_s"] or 0.0) * r["phase_train_s"] / w.epochs_per_rollout,
             "peak_mb": r["peak_mib"], "peak_generate_mb": peak("generate"),
             "peak_logprobs_mb": peak("old_logprobs", "ref_logprobs"), "peak_train_mb": peak("reward", "train"),
+            "offload_s": r.get("offload_s", 0.0), "reload_s": r.get("reload_s", 0.0),
+            "offload_bytes": r.get("offload_bytes", 0.0), "weight_sync_s": r.get("weight_sync_s", 0.0),
         })
         before = r["elapsed_s"]
     return out

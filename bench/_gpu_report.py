@@ -119,7 +119,11 @@ def e2e_results(parts: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for name, part in parts.items():
         data = part.get("data") or {}
         if name.startswith("e2e") and name != PROFILE_PART and "results" in data:
-            out.update(data["results"])
+            for backend, sides in data["results"].items():  # side by side: the verdict's TRL rows, e2e-hf's dsrl
+                merged = out.setdefault(backend, {})
+                for side, r in sides.items():
+                    if side not in merged or "skipped" in merged[side]:
+                        merged[side] = r
     profiled = (parts.get(PROFILE_PART, {}).get("data") or {}).get("results") or {}
     for backend, sides in profiled.items():
         for side, r in sides.items():
@@ -144,14 +148,14 @@ def _top(profile: dict[str, Any] | None, phase: str, gpu: bool, k: int = 3) -> s
 def where_section(results: dict[str, dict[str, Any]], gpu: bool) -> str:
     """Per backend: dsrl against each TRL side phase by phase (seconds, peak memory, busy fraction, top
     operators of the profiled rollout), and what the figures say would close each gap where dsrl is behind."""
-    from _e2e_report import SIDE_NAMES
+    from _e2e_report import DSRL_SIDES, SIDE_NAMES
 
     blocks = []
     for backend, sides in results.items():
         d = sides.get("dsrl", {})
         if not d.get("summary"):
             continue
-        others = {k: v for k, v in sides.items() if k != "dsrl" and v.get("summary")}
+        others = {k: v for k, v in sides.items() if k not in DSRL_SIDES and v.get("summary")}
         if not others:
             continue
         rows = []

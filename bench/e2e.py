@@ -3,10 +3,12 @@ group size, mini-batch, epochs per rollout, max new tokens, optimizer and gradie
 
     python bench/e2e.py                                     # CPU: the "scaled" Qwen2 shape (26.5 M), hf
     python bench/e2e.py --device cuda --shape 0.5b --backends auto hf --sides dsrl trl trl-ds   # one GPU, bf16
+    python bench/e2e.py --device cuda --backends auto hf --sides dsrl dsrl-offload trl trl-ds --dsrl_backends auto
 
 Each (backend, side, repetition) runs in a fresh process (``--sides``: dsrl, ``trl`` = TRL's defaults,
 ``trl-ds`` = TRL through its own DeepSpeed integration with dsrl's precision recipe; order rotated every
-repetition), on one device each (dsrl through DeepSpeed ZeRO-1 on a world of one). ``--backends``: ``hf`` =
+repetition), on one device each (dsrl through DeepSpeed ZeRO-1 on a world of one; ``dsrl-offload`` = dsrl with
+``dsrl.memory.offload_states``: the training state on the host outside training). ``--backends``: ``hf`` =
 transformers ``generate`` on every side; ``cb`` = transformers continuous batching on every side (dsrl
 ``rollout.backend = "cb"``, TRL ``use_transformers_continuous_batching``); ``auto`` = dsrl's
 ``rollout.backend = "auto"`` (dsrl only: TRL has no such choice, its default is the ``hf`` row);
@@ -70,24 +72,28 @@ from _e2e_workers import WorkerOutput, Workload, dsrl_records, run_dsrl, run_trl
 
 __all__ = ["Workload", "describe", "main"]
 
-SIDES = ("dsrl", "trl", "trl-ds")
+SIDES = ("dsrl", "dsrl-offload", "trl", "trl-ds")
+DSRL_SIDES = ("dsrl", "dsrl-offload")  # dsrl-offload: dsrl with dsrl.memory.offload_states (docs/memory.md)
 BACKENDS = ("auto", "hf", "cb", "vllm")
 GPU_DEFAULTS = dict(shape="0.5b", prompts_per_rollout=16, samples_per_prompt=8, mini_batch_size=64,
                     micro_batch_size=8, max_new_tokens=256, mean_len=64.0, rollouts=5)
 
 
-def side_skip_reason(side: str, backend: str) -> str | None:
-    """Why ``side`` cannot run ``backend`` here (None: it can)."""
-    if side != "dsrl" and backend == "auto":
+def side_skip_reason(side: str, backend: str, dsrl_backends: list[str] | None = None) -> str | None:
+    """Why ``side`` cannot run ``backend`` here (None: it can); ``dsrl_backends``: the backends dsrl's sides run
+    (default: every one given)."""
+    if side in DSRL_SIDES and dsrl_backends is not None and backend not in dsrl_backends:
+        return f"dsrl runs {', '.join(dsrl_backends)} in this part"
+    if side not in DSRL_SIDES and backend == "auto":
         return "dsrl only (TRL has no auto; its default, generate, is the hf row)"
-    if side != "dsrl" and importlib.util.find_spec("trl") is None:
+    if side not in DSRL_SIDES and importlib.util.find_spec("trl") is None:
         return "trl is not importable (benchmark-only: pip install trl==1.16.0)"
     if side == "trl-ds" and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed is not importable"
     if backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             return "vllm is not importable"
-        if side != "dsrl":
+        if side not in DSRL_SIDES:
             return ("not wired: TRL's vLLM modes load the model from a checkpoint and sync every weight, and this "
                     "benchmark's model carries an output-head bias that vLLM's Qwen2 lacks (dsrl's side sends it "
                     "as a logit bias)")
@@ -120,7 +126,7 @@ def run_worker(side: str, w: Workload, timeout: float | None = None) -> dict[str
                 data = json.load(f)
         except (OSError, json.JSONDecodeError):
             data = {"side": side, "records": [], "census": None, "profile": None}
-        if side == "dsrl":
+        if side in DSRL_SIDES:
             data["records"] = dsrl_records(run_dir, w)
         data.update(status=status, error=error, seconds=time.perf_counter() - t0)
         return data
@@ -131,8 +137,8 @@ def worker_main(args: argparse.Namespace) -> None:
     if w.device == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
     out = WorkerOutput(args.out, args.worker, w)
-    if args.worker == "dsrl":
-        run_dsrl(w, out, args.run_dir)
+    if args.worker in DSRL_SIDES:
+        run_dsrl(w, out, args.run_dir, offload=args.worker == "dsrl-offload")
     else:
         run_trl(w, out, deepspeed=args.worker == "trl-ds")
 
@@ -144,7 +150,10 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["hf"], choices=list(BACKENDS),
                     help="auto = dsrl's rollout.backend auto (dsrl only)")
     ap.add_argument("--sides", nargs="+", default=["dsrl", "trl"], choices=list(SIDES),
-                    help="trl = TRL's defaults; trl-ds = TRL through DeepSpeed with dsrl's precision recipe")
+                    help="dsrl-offload = dsrl with memory.offload_states; trl = TRL's defaults; trl-ds = TRL through "
+                         "DeepSpeed with dsrl's precision recipe")
+    ap.add_argument("--dsrl_backends", nargs="+", default=None, choices=list(BACKENDS),
+                    help="the backends dsrl's sides run (default: every --backends one); TRL's sides run theirs")
     ap.add_argument("--repeats", type=int, default=2, help="process rounds per backend (order rotated each time)")
     for name, default in asdict(Workload()).items():
         if name not in ("shape", "device", "backend", "profile_dir", "gradient_checkpointing"):
@@ -188,7 +197,7 @@ def main() -> None:
         results[backend] = {}
         sides = list(args.sides)
         for side in sides:
-            reason = side_skip_reason(side, backend)
+            reason = side_skip_reason(side, backend, args.dsrl_backends)
             if reason:
                 results[backend][side] = {"skipped": reason}
                 print(f"{backend} {side}: skipped ({reason})", flush=True)

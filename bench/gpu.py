@@ -10,14 +10,18 @@ cannot run here skipped with the reason, and one dated section appended to docs/
 
 Parts, in the order they run (the verdict first, so a short loan still answers it):
 
-- e2e (8 min, start-ups included): the verdict. bench/e2e.py end to end, dsrl with ``rollout.backend = "auto"``
-  and with ``hf`` against TRL's GRPOTrainer with its defaults and through its DeepSpeed integration with dsrl's
-  precision recipe, gradient checkpointing on on every side (TRL's default), 5 rollouts per process (a failure
-  from the second rollout on shows), each process bounded by ``E2E_SIDE_S`` so that the four fit (H200 figures
-  of 2026-11-26: ~11.6 s per rollout for dsrl with hf, ~10 s for TRL, plus ~40 s of start-up each); a side
-  that runs out of time reports the rollouts it finished;
+- e2e (8 min, start-ups included): the verdict. bench/e2e.py end to end, dsrl with ``rollout.backend = "auto"``,
+  with ``dsrl.memory.offload_states`` off and on, against TRL's GRPOTrainer with its defaults and through its
+  DeepSpeed integration with dsrl's precision recipe, gradient checkpointing on on every side (TRL's default), 5
+  rollouts per process (a failure from the second rollout on shows), each process bounded by ``E2E_SIDE_S`` so
+  that the four fit (H200 figures of 2026-11-26: ~11.6 s per rollout for dsrl with hf, ~10 s for TRL, plus ~40 s
+  of start-up each); a side that runs out of time reports the rollouts it finished. Its dsrl processes also
+  report ``dsrl plan``'s memory prediction, the memory allocated as each generation starts, the offload's
+  seconds, a bucketed weight copy and the training phase's tokens per second (MFU): the section's memory tables
+  (bench/_memory_report.py);
 - rollout-128 (5 min): bench/rollout.py, hf vs cb under dsrl's packed attention and under the dense mask,
   0.5B shape, bf16, C = 128, N = 512, geometric lengths of mean 64, 256 new tokens;
+- e2e-hf (3 min): dsrl with ``hf`` end to end (the verdict's TRL rows are its comparison);
 - e2e-cb (7 min): the end to end with continuous batching on every side;
 - rollout-256 (5 min): as rollout-128 at C = 256;
 - logprobs (3 min): bench/logprobs.py --device cuda, the chunked log-probs' memory and time;
@@ -117,6 +121,8 @@ E2E_SMOKE = ["--device", "cpu", "--shape", "tiny", "--prompts_per_rollout", "2",
              "--repeats", "1", "--gradient_checkpointing", "on", "--profile_skip", "1", "--profile_window", "2",
              "--worker_timeout", "90", "--no-record"]
 ALL_SIDES = ["--sides", "dsrl", "trl", "trl-ds"]
+# the verdict: dsrl `auto` with dsrl.memory.offload_states off and on, TRL's two sides under their default generate
+VERDICT_SIDES = ["--sides", "dsrl", "dsrl-offload", "trl", "trl-ds", "--dsrl_backends", "auto"]
 
 
 def _rollout(name: str, gpu_c: list[int], smoke_c: list[int], backends: list[str]) -> tuple[Callable, Callable]:
@@ -154,9 +160,11 @@ def parts(profile: bool = False) -> list[Part]:
     r128, r128s = _rollout("rollout-128", [128], [16], ["cb"])
     r256, r256s = _rollout("rollout-256", [256], [32], ["cb"])
     rv, rvs = _rollout("rollout-vllm", [128, 256], [16], ["vllm"])
-    # the verdict: dsrl `auto` then `hf` (TRL's sides run generate, their default), four processes
-    e2e, e2es = _e2e("e2e", ["auto", "hf"], [*ALL_SIDES, "--worker_timeout", str(E2E_SIDE_S)],
-                     ["dsrl", "trl", "trl-ds"])
+    # the verdict: dsrl `auto` with the offload off and on, TRL's sides under generate (their default): four
+    # processes; dsrl with `hf` has a part of its own (e2e-hf)
+    e2e, e2es = _e2e("e2e", ["auto", "hf"], [*VERDICT_SIDES, "--worker_timeout", str(E2E_SIDE_S)],
+                     ["dsrl", "dsrl-offload", "trl", "trl-ds"], smoke_extra=("--dsrl_backends", "auto"))
+    e_hf, e_hfs = _e2e("e2e-hf", ["hf"], ["--sides", "dsrl", "--worker_timeout", "130"], ["dsrl"])
     e_cb, e_cbs = _e2e("e2e-cb", ["cb"], [*ALL_SIDES, "--worker_timeout", "130"], ["dsrl"])
     e_v, e_vs = _e2e("e2e-vllm", ["vllm"], ["--sides", "dsrl", "trl", "--worker_timeout", "200"], ["dsrl"],
                      smoke_extra=("--shape", "tiny32"))  # vLLM's CPU kernels need head size >= 32
@@ -169,6 +177,7 @@ def parts(profile: bool = False) -> list[Part]:
     return [
         Part("e2e", "End to end vs TRL: the verdict", e2e, e2es, E2E_BOUND_S, 4 * E2E_SIDE_S, "e2e"),
         Part("rollout-128", "Rollout tokens/s, C = 128", r128, r128s, 300, 150, "rollout"),
+        Part("e2e-hf", "End to end, dsrl with generate", e_hf, e_hfs, 180, 130, "e2e"),
         Part("e2e-cb", "End to end vs TRL, continuous batching", e_cb, e_cbs, 420, 270, "e2e",
              smoke_note="dsrl only in the smoke: TRL's continuous batching took ~8 s per 16 tokens and ~11 GB of "
                         "host memory on the CPU"),
@@ -375,6 +384,11 @@ def section(state: dict[str, Any], ctx: Ctx, selected: list[Part]) -> str:
         if census:
             out += ["", "Resident memory after the first rollout, by role (MiB):", "", census]
         out += ["", "#### Where the time and memory go", "", where_section(results, gpu)]
+        from _memory_report import memory_section
+
+        memory = memory_section(results, gpu)
+        if memory:
+            out += ["", "#### Memory: dsrl plan against the measured peaks, offload, weight sync, MFU", "", memory]
     for p in selected:
         e = parts_state.get(p.name) or {}
         data = e.get("data")

@@ -1,4 +1,5 @@
-"""Commands: ``dsrl plan | export | plot`` (:mod:`.main`), the exactness self-check's work
+"""Commands: ``dsrl plan | export | plot`` (:mod:`.main`; the plan's memory per phase: :mod:`.memory`), the
+exactness self-check's work
 (:mod:`.check`, entered as ``python -m dsrl.check``), and the multi-node environment and preflight
 (``python -m dsrl.cli.launch_env``).
 

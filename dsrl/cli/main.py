@@ -126,18 +126,30 @@ def cmd_plan(argv: list[str]) -> int:
                         help="token-budget mode: a file of sequence lengths (one per line, or a JSON list) "
                              "to estimate micro-batches per step and padding")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--device_memory_gib", type=float, default=None,
+                        help="memory of one device (GiB) the phases must fit in; default: the local GPU's, on the "
+                             "CPU accelerator the host's memory divided by --world_size")
+    parser.add_argument("--model_config", default=None,
+                        help="the policy's config.json (or its directory) when dsrl.model.path is not on this machine "
+                             "(only the config is read)")
+    parser.add_argument("--accelerator", choices=("local", "gpu", "cpu"), default="local",
+                        help="plan for this machine's accelerator (default), or for a GPU or the CPU one: a GPU job "
+                             "planned on a laptop gets the GPU's dtype, kernels and memory")
     args, rest = parser.parse_known_args(argv)
     _quiet_deepspeed_logs()
     cfg = load_config(args.ds_config, parse_override_args(rest))
+    on_gpu = {"local": None, "gpu": True, "cpu": False}[args.accelerator]
     lengths = None
     if args.lengths:
         with open(args.lengths, encoding="utf-8") as f:
             text = f.read().strip()
         lengths = json.loads(text) if text.startswith("[") else [int(x) for x in text.split()]
-    plan, extra = build_plan_report(cfg, args.world_size, _dataset_size(cfg, args.dataset_size), lengths)
+    plan, extra = build_plan_report(cfg, args.world_size, _dataset_size(cfg, args.dataset_size), lengths,
+                                    on_gpu=on_gpu)
+    memory = _memory(cfg, plan, extra, args)
     if args.json:
-        print(json.dumps({**plan.to_dict(), **extra}, indent=1, sort_keys=True))
-        return 0
+        print(json.dumps({**plan.to_dict(), **extra, **memory}, indent=1, sort_keys=True))
+        return _memory_verdict(memory)
     rows = plan.describe()
     ds = plan.deepspeed_batch_fields()
     rows.insert(1, ("ranks per replica", f"{extra['tensor_parallel_size'] * extra['sequence_parallel_size']} "
@@ -169,10 +181,40 @@ def cmd_plan(argv: list[str]) -> int:
             ("expected padded-token fraction", f"{tb['padding_fraction']:.2%}"),
             ("expected max/mean rank load", f"{tb['max_over_mean_load']:.3f}"),
         ]
+    rows += memory.pop("rows")
     width = max(len(k) for k, _ in rows)
     print(f"dsrl plan for {cfg.source} on {args.world_size} rank(s)")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    return _memory_verdict(memory)
+
+
+def _memory(cfg: Config, plan: BatchPlan, extra: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The per-phase memory (dsrl.cli.memory): ``"memory"`` (one entry per phase: its parts and total_mib) and the
+    fields beside it; ``rows`` for the table. A policy config not on this machine leaves it unestimated (said)."""
+    from dsrl.cli.memory import memory_report, memory_rows
+
+    try:
+        phases, _, more = memory_report(cfg, plan, on_gpu=extra["accelerator"] == "gpu", world_size=args.world_size,
+                                        device_memory_gib=args.device_memory_gib, model_config=args.model_config)
+    except ConfigError as e:
+        if "config.json" not in str(e):
+            raise
+        return {"memory": None, "memory_unknown": str(e), "rows": [("memory", f"not estimated: {e}")]}
+    return {"memory": {name: phase.to_json() for name, phase in phases.items()}, **more,
+            "rows": memory_rows(phases, more)}
+
+
+def _memory_verdict(memory: dict[str, Any]) -> int:
+    """Say on stderr which phase barely fits (a warning) or cannot fit (a refusal: status 2)."""
+    memory.pop("rows", None)
+    for text in memory.get("memory_warnings") or []:
+        print(f"dsrl plan: warning: {text}", file=sys.stderr)
+    refusals = memory.get("memory_refusals") or []
+    if refusals:
+        lines = "\n".join(f"  - {r}" for r in refusals)
+        print(f"dsrl: configuration error: this run does not fit the device:\n{lines}", file=sys.stderr)
+        return 2
     return 0
 
 

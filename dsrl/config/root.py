@@ -10,6 +10,7 @@ from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, SftConfig
 from dsrl.config.batch import BatchConfig
 from dsrl.config.data import DataConfig
 from dsrl.config.errors import ConfigError
+from dsrl.config.memory import MemoryConfig
 from dsrl.config.model import ModelConfig
 from dsrl.config.names import ALGORITHM_LOSS_AGG, CRITIC_ALGORITHMS, DISAGGREGATED, GROUP_RELATIVE_ALGORITHMS
 from dsrl.config.rollout import RolloutConfig
@@ -31,6 +32,7 @@ class DsrlConfig(Section):
     scheduler: SchedulerConfig = setting(SchedulerConfig, SchedulerConfig.__doc__)
     critic: CriticConfig = setting(CriticConfig, CriticConfig.__doc__)
     sft: SftConfig = setting(SftConfig, SftConfig.__doc__)
+    memory: MemoryConfig = setting(MemoryConfig, MemoryConfig.__doc__)
 
     @model_validator(mode="before")
     @classmethod

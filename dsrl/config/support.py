@@ -68,6 +68,7 @@ class Setup:
     dynamic_sampling: bool = _feature(False, "algorithm.dynamic_sampling")  # resolved: dapo's default is on
     routing_replay: str = _feature(REPLAY_OFF, "model.routing_replay")  # a mixture-of-experts policy's routes (R3)
     router_aux_loss: bool = _feature(False, "model.router_aux_loss_coef")  # > 0: the load-balancing term is trained
+    offload_states: bool = _feature(False, "memory.offload_states")  # training state off the device between phases
 
     @classmethod
     def of(cls, dsrl: DsrlConfig, ds_config: dict[str, Any]) -> Setup:
@@ -89,7 +90,8 @@ class Setup:
                    sequence_parallel_size=max(_integer(ds_config, "sequence_parallel_size", 1), 1),
                    expert_parallel=isinstance(experts, dict) and bool(experts.get("enabled", False)),
                    algorithm=algorithm.name, dynamic_sampling=bool(dynamic),
-                   routing_replay=dsrl.model.routing_replay, router_aux_loss=dsrl.model.router_aux_loss_coef > 0)
+                   routing_replay=dsrl.model.routing_replay, router_aux_loss=dsrl.model.router_aux_loss_coef > 0,
+                   offload_states=dsrl.memory.offload_states)
 
     def replace(self, **features: Any) -> Setup:
         return dataclasses.replace(self, **features)
@@ -267,6 +269,13 @@ RULES: tuple[Rule, ...] = (
          "dsrl.model.router_aux_loss_coef > 0 with sequence_parallel_size = {sequence_parallel_size}: the "
          "load-balancing term counts routes per position, which each rank holds a shard of. Fix: set "
          "sequence_parallel_size to 1, or router_aux_loss_coef to 0."),
+    # device memory between phases (docs/memory.md); the ZeRO-3 optimizer condition needs the resolved optimizer
+    # and lives in dsrl.backends.deepspeed.validation
+    Rule("offload-zero0", {"offload_states": Is(True), "zero_stage": Is(0)},
+         "dsrl.memory.offload_states with zero_optimization.stage 0: DeepSpeed's engine.offload_states moves the "
+         "buffers of its ZeRO optimizer, and ZeRO-0 has none (DeepSpeed 0.19.8 offers it for ZeRO 1-3 only; under "
+         "stage 0 the call fails with \"'AdamW' object has no attribute 'offload_states'\"). Fix: set "
+         "zero_optimization.stage to 1, 2 or 3, or memory.offload_states to false."),
 )
 
 

@@ -245,9 +245,8 @@ class ExperienceMaker:
         self.backend.sync_weights()
         self.version = rollout_index
         samples, stats, rounds = self.collect(rollout_index)
-        timing = self.backend.take_timing()
-        stats.wait_s, stats.publish_s = timing.get("wait_s", 0.0), timing.get("publish_s", 0.0)
-        stats.generator_s, stats.generator_idle_s = timing.get("generation_s", 0.0), timing.get("idle_s", 0.0)
+        self.backend.sleep()  # a backend with memory of its own (vLLM) frees it until the next sync
+        stats.add_timing(self.backend.take_timing())
         batches = self.actor.pass_batches(samples, self.pad_id)  # collated once for every no-grad pass
         mismatch = self.actor.add_logprobs(batches, with_routes=self.backend.returns_routes(),
                                            kl_in_reward=not self.critic.present)  # with a critic: KL per token

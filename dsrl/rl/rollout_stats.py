@@ -60,6 +60,13 @@ class RolloutStats:
     publish_s: float = 0.0
     generator_s: float = 0.0
     generator_idle_s: float = 0.0
+    # weight sync to a generating engine with its own weights (vLLM, generator ranks; 0 when the weights are shared):
+    # seconds, bytes and buckets (dsrl.memory.weight_sync_bucket_mib), as the backend's take_timing() reported them
+    weight_sync_s: float = 0.0
+    weight_sync_bytes: float = 0.0
+    weight_sync_buckets: float = 0.0
+    vllm_sleep_s: float = 0.0  # dsrl.memory.vllm_sleep_level: putting the engine to sleep and waking it
+    vllm_wake_s: float = 0.0
     # Multi-turn trajectories (dsrl.rl.episodes.driver): their count, model turns, tool calls, observation tokens,
     # seconds
     # in the environment, and why they were cut (completion_tokens counts model tokens only).
@@ -82,6 +89,15 @@ class RolloutStats:
     replayed_tokens: float = 0.0
     replayed_routes_abs_diff_sum: float = 0.0
     moe_policy: float = 0.0  # ranks with an MoE policy (the route columns are written when > 0)
+
+    def add_timing(self, timing: dict[str, float]) -> None:
+        """The rollout side's seconds and weight-sync figures (:meth:`dsrl.rollout.base.RolloutBackend.take_timing`)."""
+        self.wait_s, self.publish_s = timing.get("wait_s", 0.0), timing.get("publish_s", 0.0)
+        self.generator_s, self.generator_idle_s = timing.get("generation_s", 0.0), timing.get("idle_s", 0.0)
+        self.weight_sync_s = timing.get("weight_sync_s", 0.0)
+        self.weight_sync_bytes = timing.get("weight_sync_bytes", 0.0)
+        self.weight_sync_buckets = timing.get("weight_sync_buckets", 0.0)
+        self.vllm_sleep_s, self.vllm_wake_s = timing.get("vllm_sleep_s", 0.0), timing.get("vllm_wake_s", 0.0)
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Count the final (kept) samples of this rank."""

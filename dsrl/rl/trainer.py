@@ -109,6 +109,7 @@ class Trainer:
             boundary = state.snapshot()  # make() draws the next prompts: a stop inside it commits this state
             p.stop.new_rollout()
             p.phases.start_rollout(state.rollout)
+            p.memory.release()  # training state off the device while generating (dsrl.memory)
             try:
                 local, stats, rounds = p.experience.make(state.rollout)
             except GenerationStopped as e:
@@ -117,6 +118,7 @@ class Trainer:
                 return summary
             self._count_phase_tokens(local)
             t0 = time.perf_counter()
+            p.memory.reload()
             try:
                 with p.watch.phase("step"), p.phases.phase("train"):
                     results = self.train_rollout(local)
@@ -189,6 +191,7 @@ class Trainer:
                                  sampling_rounds=rounds, local_train_s=stats.train_s, elapsed_s=elapsed_s)
         summary.update(p.critic.rollout_metrics())
         summary.update(phase_record(p.phases.take().reduced(p.actor.device), p.world))
+        summary.update(p.memory.record(p.actor.device, p.world))
         p.metrics.write("rollout", summary, steps)
         if problem := all_timed_out(summary["reward_timeouts"], plan.rollout_size):
             raise RunError(problem, agreed=True)

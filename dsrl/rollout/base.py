@@ -81,10 +81,17 @@ class RolloutBackend(ABC):
     def sync_weights(self) -> None:  # noqa: B027 - a no-op is the right default
         """Make the generator use the policy's current weights (a no-op when they are shared)."""
 
+    def sleep(self) -> None:  # noqa: B027 - a no-op is the right default
+        """Free what the backend holds on the device beyond the policy until the next :meth:`sync_weights` /
+        :meth:`generate` (called after each rollout's generation; ``dsrl.memory.vllm_sleep_level``). Nothing by
+        default: the local backends hold nothing of their own between calls."""
+
     def take_timing(self) -> dict[str, float]:
         """Seconds spent on the rollout side since the last call, by name, and reset: ``wait_s`` (waiting for
         completions), ``publish_s`` (sending weights), ``generation_s`` and ``idle_s`` (a remote generator's, as it
-        reported them). Empty for a backend that generates in the caller's time (its cost is the caller's)."""
+        reported them), ``weight_sync_s``, ``weight_sync_bytes`` and ``weight_sync_buckets`` (a backend with weights
+        of its own: the last sync, :mod:`dsrl.core.buckets`). Empty for a backend that generates in the caller's time
+        and shares the policy's weights (its cost is the caller's)."""
         return {}
 
     def close(self) -> None:  # noqa: B027 - a no-op is the right default

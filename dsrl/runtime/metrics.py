@@ -178,6 +178,12 @@ def rollout_record(stats: Any, results: list[dict[str, Any]], *, world: int, rol
         "publish_s": stats.publish_s / world,
         "generator_s": stats.generator_s,
         "generator_idle_frac": _per(stats.generator_idle_s, stats.generator_idle_s + stats.generator_s) or 0.0,
+        # weight sync to a generating engine with weights of its own (docs/memory.md); 0 when the weights are shared
+        "weight_sync_s": stats.weight_sync_s / world,
+        "weight_sync_bytes": stats.weight_sync_bytes,
+        "weight_sync_buckets": stats.weight_sync_buckets,
+        "vllm_sleep_s": stats.vllm_sleep_s / world,
+        "vllm_wake_s": stats.vllm_wake_s / world,
         **_trajectory_record(stats, world),
         **_route_record(stats, results),
     }

@@ -38,7 +38,8 @@ BASE = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
 ARGS = ["--dsrl.run.rollouts", "6", "--dsrl.sft.steps", "4", "--dsrl.run.save_every", "2",
         "--dsrl.run.keep_last", "4", "--dsrl.run.progress_bar", "false", "--dsrl.batch.prompts_per_rollout", "8",
         "--dsrl.batch.mini_batch_size", "32"]
-TIMED = ("_s", "tokens_per_s", "generator_idle_frac", "trainer_wait", "publish", "generator_s", "_mib")
+TIMED = ("_s", "tokens_per_s", "generator_idle_frac", "trainer_wait", "publish", "generator_s", "_mib",
+         "weight_sync_bytes", "weight_sync_buckets")  # a colocated hf run syncs nothing: the weights are shared
 TIS = {"mode": "tis", "level": "token", "cap": 2.0}  # the shipped async config's correction: it uses mu in the loss
 
 
@@ -157,19 +158,29 @@ SHORT = ["--dsrl.run.rollouts", "3", "--dsrl.sft.steps", "4", "--dsrl.run.progre
 @pytest.mark.parametrize("cell", ["zero3", "lora"])
 def test_k0_is_bitwise_the_colocated_run_under_zero3_and_with_lora(tmp_path, cell):
     """ZeRO-3 trainers publish weights gathered once (their module holds empty shards); a LoRA generator holds the
-    adapters and receives them with the base weights, also on resume (the lora run stops after 2 rollouts)."""
+    adapters and receives them with the base weights, also on resume (the lora run stops after 2 rollouts). The
+    weights travel in buckets of 10 KiB (dsrl.memory.weight_sync_bucket_mib; the tiny policy is ~0.5 MiB: dozens of
+    buckets, tensors split across them) and land bit for bit: the runs are the colocated one."""
     base, zero = (LORA, 2) if cell == "lora" else (BASE, 3)
     colocated, split = tmp_path / "colocated", tmp_path / "split"
     launch(["launch/train.py", "--ds_config", str(_run_file(tmp_path, False, base=base, zero=zero, **TIS)), *SHORT,
             "--dsrl.run.output_dir", str(colocated)], nprocs=2, timeout=600)
     run = ["--ds_config", str(_run_file(tmp_path, True, k=0, base=base, zero=zero, **TIS)), *SHORT,
-           "--dsrl.run.output_dir", str(split)]
+           "--dsrl.run.output_dir", str(split), "--dsrl.memory.weight_sync_bucket_mib", "0.01"]
     if cell == "lora":
         launch(["launch/train.py", *run, "--dsrl.run.stop_after_rollouts", "2"], nprocs=3, timeout=600)
         run += ["--resume", "auto"]
     launch(["launch/train.py", *run], nprocs=3, timeout=600)
     _same_rows(colocated, split)
-    assert [r["rollout"] for r in _rows(split, "rollout")] == [1, 2, 3]
+    rows = _rows_all(split, "rollout")
+    assert [r["rollout"] for r in rows] == [1, 2, 3]
+    assert all(r["weight_sync_buckets"] > 10 and r["weight_sync_bytes"] > r["weight_sync_buckets"] * 5000
+               for r in rows), rows  # many buckets, each close to the 10 KiB bound
+    assert all(r["weight_sync_buckets"] == 0 for r in _rows_all(colocated, "rollout"))
+
+
+def _rows_all(out: Path, event: str) -> list[dict]:
+    return [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == event]
 
 
 @EXTENDED

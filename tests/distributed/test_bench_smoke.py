@@ -1,7 +1,8 @@
 """The benchmarks still run against the current API (a merge once broke bench/e2e.py's dsrl side without any test
 noticing): ``python bench/gpu.py --smoke --no-record --profile`` runs every GPU benchmark part (the verdict part
-first: bench/e2e.py with dsrl's ``auto`` and ``hf`` sides read from dsrl's own metrics rows, and TRL's sides where
-trl imports; bench/rollout.py with both cb attentions, bench/e2e.py with continuous batching and with its profiled
+first: bench/e2e.py with dsrl's ``auto`` side, memory.offload_states off and on, read from dsrl's own metrics rows,
+and TRL's sides where trl imports; dsrl's ``hf`` side in a part of its own; bench/rollout.py with both cb
+attentions, bench/e2e.py with continuous batching and with its profiled
 rollout, bench/logprobs.py, bench/overhead.py, bench/throughput.py, bench/optim.py, bench/mismatch.py) on tiny
 shapes on the CPU, each in its own bounded process, and must settle every part as run or skipped with a reason,
 without touching docs/benchmarks.md; bench/lora.py's smallest configuration runs too. Timing is not checked."""
@@ -51,11 +52,18 @@ def test_gpu_bench_smoke_runs_every_part(tmp_path):
         rates = parts[name]["data"]["cells"][0]["rates"]
         assert {"hf", "cb/model", "cb/varlen"} <= set(rates) and all(rates.values())
     verdict = parts["e2e"]["data"]["results"]
-    for backend in ("auto", "hf"):  # dsrl's figures: its own metrics rows (dsrl/runtime/phases.py)
-        dsrl = verdict[backend]["dsrl"]
+    # dsrl's figures: its own metrics rows (dsrl/runtime/phases.py); the verdict runs `auto` with the offload off and
+    # on, e2e-hf runs `hf`
+    hf = parts["e2e-hf"]["data"]["results"]["hf"]["dsrl"]
+    for dsrl in (verdict["auto"]["dsrl"], verdict["auto"]["dsrl-offload"], hf):
         assert dsrl["status"] == "ok" and dsrl["summary"]["rollouts"] >= 1 and dsrl["census"]["weights"] > 0
         assert dsrl["summary"]["generate_s"] > 0 and dsrl["summary"]["logprobs_s"] > 0, dsrl["summary"]
         assert dsrl["profile"] is None  # profiles only in their own part
+        assert dsrl["plan_memory"]["training"]["total_mib"] > 0 and dsrl["weight_sync_probe"]["bytes"] > 0
+        assert dsrl["summary"]["train_phase_tok_s"] > 0
+    offload = [verdict["auto"][side]["summary"]["offload_s"] for side in ("dsrl", "dsrl-offload")]
+    assert offload[0] == 0 < offload[1], offload
+    assert "dsrl runs auto" in verdict["hf"]["dsrl"]["skipped"]
     assert parts["e2e"]["data"]["auto_picks"]["auto"] in ("hf", "cb")
     assert "dsrl only" in verdict["auto"]["trl"]["skipped"]  # TRL has no auto: its default is the hf row
     for side in ("trl", "trl-ds"):  # TRL is a benchmark-only dependency: run where it imports, else skipped
@@ -67,7 +75,8 @@ def test_gpu_bench_smoke_runs_every_part(tmp_path):
     section = (tmp_path / "section.md").read_text()
     for heading in ("#### Rollout tokens/s", "#### `auto` choices re-derived", "#### End to end vs TRL GRPOTrainer",
                     "#### Where the time and memory go", "#### Chunked log-prob memory",
-                    "#### Optimizer step", "#### Token-budget training throughput"):
+                    "#### Optimizer step", "#### Token-budget training throughput",
+                    "#### Memory: dsrl plan against the measured peaks"):
         assert heading in section, heading
 
 

@@ -1,6 +1,7 @@
 """One rollout's experience and the policy actor's log-prob verb, built from their constructors with fakes.
 
-- the experience maker syncs the generating weights once per rollout before generating, draws this replica's
+- the experience maker syncs the generating weights once per rollout before generating (and lets a backend with
+  memory of its own sleep after it), draws this replica's
   share of the prompt stream, seeds each call with :func:`dsrl.core.seeds.generation_seed`, scores through the one
   reward formula, asks the actor for log-probs and gives group advantages (a planted seed or a planted second sync
   fails the test);
@@ -69,6 +70,9 @@ class Answering(RolloutBackend):
     def sync_weights(self) -> None:
         self.calls.append("sync")
 
+    def sleep(self) -> None:
+        self.calls.append("sleep")
+
     def generate(self, prompt_ids, samples_per_prompt, seed):
         self.calls.append(("generate", seed))
         by_prompt = {tuple(TOK(r["prompt"])["input_ids"]): r["answer"] for r in self.records}
@@ -105,7 +109,7 @@ def test_a_rollout_syncs_then_generates_scores_and_gives_group_advantages():
             assert [s.advantage for s in g] == pytest.approx(want, abs=1e-5) and g[0].advantage > 0
         assert all(s.old_logprobs == [-1.0] * s.completion_len and s.version == rollout for s in samples)
     seeds = [("generate", generation_seed(0, r, 0, 0)) for r in (0, 1)]
-    assert calls == ["sync", seeds[0], "sync", seeds[1]]
+    assert calls == ["sync", seeds[0], "sleep", "sync", seeds[1], "sleep"]  # asleep from generation to the next sync
 
 
 def test_the_first_two_rollouts_draw_the_prompt_stream_in_order():

@@ -62,17 +62,24 @@ def test_replicas_are_split_into_contiguous_blocks_per_generator():
     assert [replica_owner(d, 4, 1) for d in range(4)] == [0] * 4
 
 
-def test_weights_and_completions_cross_bit_for_bit():
+@pytest.mark.parametrize("bound", [16, 40, 100, 2**20])
+def test_weights_and_completions_cross_bit_for_bit(bound):
+    """Every bucket bound (16 bytes: every tensor split over buckets; 1 MiB: one bucket) carries the weights bit for
+    bit, in buckets no larger than the bound, through two staging buffers (bucket i reuses bucket i - 2's)."""
     state = {"a": torch.randn(3, 4), "tied.a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16),
              "n": torch.arange(3)}
-    layout = WeightLayout.from_json(json.loads(json.dumps(WeightLayout.of(state).to_json())))
-    buffers = layout.buffers()
-    layout.pack(state, buffers)
+    layout = WeightLayout.from_json(json.loads(json.dumps(WeightLayout.of(state, bound).to_json())))
+    assert layout.bucket_bytes == bound and max(layout.bucket_sizes()) <= bound
+    assert (len(layout.buckets) > 4) == (bound == 16) and (len(layout.buckets) == 1) == (bound == 2**20)
+    staging = layout.staging()
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    layout.unpack(buffers, target)
+    for i in range(len(layout.buckets)):
+        sent = layout.pack(state, i, staging[i % 2])
+        assert sent.numel() == layout.bucket_sizes()[i]
+        layout.unpack(staging[i % 2], i, target)
     assert all(torch.equal(target[k], state[k]) for k in state)
     with pytest.raises(RuntimeError, match="has no tensor 'n' of the trainer's policy"):
-        layout.unpack(buffers, {k: v for k, v in target.items() if k != "n"})
+        layout.unpack(staging[0], 0, {k: v for k, v in target.items() if k != "n"})
     cs = [Completion(0, [1, 2], [5, 6, 2], True, [-0.1234567, -1e-30, -3.0], version=7),
           Completion(1, [1], [], False, [], version=None)]
     back = decode_completions(encode_completions(cs))

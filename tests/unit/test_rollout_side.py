@@ -68,7 +68,8 @@ def test_backend_arguments_have_one_formula_and_vllm_is_refused_before_work(monk
     d = _cfg(backend="vllm").dsrl
     side = RolloutSide(RolloutSideSettings.of(d), on_gpu=False)
     assert side.backend_kwargs(4) == {"max_model_len": d.max_generation_tokens,
-                                      "samples_per_prompt": d.batch.samples_per_prompt, "seed": d.run.seed}
+                                      "samples_per_prompt": d.batch.samples_per_prompt, "seed": d.run.seed,
+                                      "sleep_level": d.memory.vllm_sleep_level, "bucket_bytes": 512 * 2**20}
     d = _cfg().dsrl
     local = RolloutSide(RolloutSideSettings.of(d), on_gpu=False)
     bounds = local.backend_kwargs(4)["bounds"]  # continuous batching: the run's largest call

@@ -60,6 +60,8 @@ def _run_file(setup: Setup) -> dict:
     raw["dsrl"].setdefault("model", {})["routing_replay"] = setup.routing_replay
     if setup.router_aux_loss:
         raw["dsrl"]["model"]["router_aux_loss_coef"] = 0.01
+    if setup.offload_states:
+        raw["dsrl"]["memory"] = {"offload_states": True}
     return raw
 
 

@@ -31,6 +31,7 @@ from dsrl.backends.deepspeed.apex import apex_adam_for
 from dsrl.backends.deepspeed.autoep import ensure_transformers_compat, expert_parallel_enabled
 from dsrl.backends.deepspeed.autotp import check_model_for_tensor_parallel, tensor_parallel_size
 from dsrl.backends.deepspeed.config import data_parallel_size
+from dsrl.backends.deepspeed.offload import require_resident
 from dsrl.backends.deepspeed.schedule import PlannedScheduler, ScheduleSpec
 from dsrl.backends.deepspeed.validation import accelerator_is_gpu, validated_deepspeed_config
 from dsrl.backends.deepspeed.view import deepspeed_view
@@ -170,6 +171,7 @@ class RLEngine(StepCore):
         return self.run_step(micro_batches, loss_fn)
 
     def _forward_backward(self, inputs: StepInputs, loss_fn: LossFn) -> tuple[list[Log], torch.Tensor | None]:
+        require_resident(self.engine)  # dsrl.memory.offload_states: reloaded before every training phase
         self.engine.train()
         logs = []
         for item in inputs.items:
@@ -307,7 +309,8 @@ def initialize(
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     # apex's prebuilt FusedAdam instead of compiling DeepSpeed's, where apex is present (apex.py).
-    apex_optimizer, ds_config = apex_adam_for(ds_config, model_parameters, cfg.dsrl.model.apex, spec.on_gpu, optimizer)
+    apex_optimizer, ds_config = apex_adam_for(ds_config, model_parameters, cfg.dsrl.model.apex, spec.on_gpu, optimizer,
+                                              offload_states=cfg.dsrl.memory.offload_states)
     optimizer = apex_optimizer or optimizer
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu

@@ -80,10 +80,11 @@ class FrozenModel:
     """A frozen model beside the policy (a module, or a ZeRO-3 engine from :func:`frozen_engine`) as a no-grad pass
     runs it: ``forward_no_grad(micros, fn)`` returns ``[fn(model, micro) for micro in micros]``, with every rank of a
     sharded model running the same number of forwards (:func:`equal_forwards`; the filler is the first micro-batch
-    this object ever saw) outside the engine's hooks."""
+    this object ever saw) outside the engine's hooks. With ``offload`` (:class:`dsrl.backends.deepspeed.offload.
+    FrozenWeights`, ``dsrl.memory.offload_states``) the weights are on the device only during the pass."""
 
-    def __init__(self, model: Any, device: Any):
-        self.model, self.device = model, device
+    def __init__(self, model: Any, device: Any, offload: Any = None):
+        self.model, self.device, self.offload = model, device, offload
         self._filler: Any = None
 
     def forward_no_grad(self, micro_batches: Sequence[T], fn: Callable[[Any, T], Any]) -> list[Any]:
@@ -94,4 +95,5 @@ class FrozenModel:
             raise RuntimeError("a sharded frozen model's first no-grad pass found no micro-batch on this rank, so it "
                                "cannot run the filler forwards the other ranks' gathers need; give every rank at "
                                "least one sequence in the first rollout")
-        return equal_forwards(self.model, micros, fn, self._filler, self.device)[0]
+        with self.offload.for_pass() if self.offload is not None else contextlib.nullcontext():
+            return equal_forwards(self.model, micros, fn, self._filler, self.device)[0]

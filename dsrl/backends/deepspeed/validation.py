@@ -46,6 +46,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from dsrl.backends.deepspeed.config import resolve_deepspeed_config
+from dsrl.backends.deepspeed.offload import offload_refusal
 from dsrl.backends.deepspeed.optimizer_check import check_optimizer, known_optimizer, unknown_optimizer
 from dsrl.backends.deepspeed.probe import (
     CHECK_ERRORS,
@@ -78,6 +79,8 @@ def validated_deepspeed_config(
     ds = resolve_deepspeed_config(cfg, plan, on_gpu=on_gpu, bf16_supported=bf16_supported)
     if cfg.dsrl.model.lora is not None:
         check_lora_run(ds)
+    if cfg.dsrl.memory.offload_states and (reason := offload_refusal(ds, client_optimizer)):
+        raise ConfigError(reason)
     with deepspeed_warnings() as warned:
         ds_cfg = check_with_deepspeed(ds, mpu=mpu, client_optimizer=client_optimizer)
         if client_optimizer is None and ds_cfg.optimizer_name is None:

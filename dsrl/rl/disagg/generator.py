@@ -172,7 +172,14 @@ class GeneratorWorker:
                 if stop:
                     self._finish(pending)
                     return
-                layout.unpack(receiver.buffers, self.weights.state_dict())
+                try:
+                    complete = receiver.receive_into(self.weights.state_dict(), self._deadline())
+                except RuntimeError as e:
+                    raise self._trainer_gone(f"lost {role.describe(0)} while receiving the weights of rollout "
+                                             f"{r + 1} (version {version})", e) from e
+                if not complete:
+                    raise self._trainer_gone(f"the weights of rollout {r + 1} (version {version}) did not arrive "
+                                             f"within {self.bound_s:g} s")
                 self.backend.sync_weights()
                 receiver.post()
             idle = time.perf_counter() - t_idle
@@ -191,6 +198,8 @@ class GeneratorWorker:
         while True:
             try:
                 got = receiver.take(self._deadline())
+                if got is not None and not got[1]:  # a version sent after the last rollout: take its buckets
+                    receiver.receive_into(None, self._deadline())
             except RuntimeError:
                 return
             if got is None or got[1]:

@@ -5,8 +5,11 @@ therefore runs exactly as in a colocated job (the same prompts per replica, the 
 correction, advantages and data path):
 
 - ``sync_weights()`` at the start of rollout r publishes the trainer's weights as **version r** (the
-  ``state_dict``, gathered once under ZeRO-3: collective among the trainers; trainer 0 sends). The first call
-  of a run, or of a resumed run, first sends the control message (:mod:`dsrl.rl.disagg.wire`);
+  ``state_dict``, gathered once under ZeRO-3: collective among the trainers; trainer 0 sends it in buckets of at
+  most ``dsrl.memory.weight_sync_bucket_mib``, :mod:`dsrl.rl.disagg.wire`, timed as ``weight_sync_s`` with its
+  bytes and buckets). A send that fails (a generator gone, or not taking the weights within the bound) is
+  reported by trainer 0 with the samples' status, so every trainer stops on it, named. The first call of a run,
+  or of a resumed run, first sends the control message;
 - ``generate(prompts, G, seed)`` returns this replica's completions of rollout r as its generator sent them,
   generated with version max(v0, r - k), v0 the version this invocation started from and k
   ``algorithm.max_staleness``; each completion carries that version. The prompts are checked against the
@@ -35,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from dsrl.backends.deepspeed.engine import RLEngine
-from dsrl.config import RolloutConfig, RunConfig
+from dsrl.config import MemoryConfig, RolloutConfig, RunConfig
+from dsrl.core.buckets import bucket_bytes
 from dsrl.core.errors import RunError
 from dsrl.core.plan import BatchPlan
 from dsrl.rl.data.prompts import PromptSource
@@ -73,9 +77,10 @@ def replica_owner(replica: int, replicas: int, generators: int) -> int:
 class RemoteRolloutBackend(RolloutBackend):
     """Completions from generator ranks (module docstring). Built on every trainer rank (collective)."""
 
-    def __init__(self, role: Role, policy: RLEngine, rollout: RolloutConfig, run: RunConfig, plan: BatchPlan,
-                 prompts: PromptSource, stop: StopControl | None = None):
-        """``rollout``/``run``: the run file's sections (the generators' backend, the collective bound)."""
+    def __init__(self, role: Role, policy: RLEngine, rollout: RolloutConfig, run: RunConfig, memory: MemoryConfig,
+                 plan: BatchPlan, prompts: PromptSource, stop: StopControl | None = None):
+        """``rollout``/``run``/``memory``: the run file's sections (the generators' backend, the collective bound,
+        the weight-sync buckets)."""
         self.role, self.policy, self.plan, self.prompts, self.stop = role, policy, plan, prompts, stop
         self.backend_name, self.collective_timeout_s = rollout.backend, run.collective_timeout_s
         self.module, _ = unwrap(policy)
@@ -90,12 +95,14 @@ class RemoteRolloutBackend(RolloutBackend):
         # The layout is read from the full weights (under ZeRO-3 the module's own tensors are empty shards outside
         # the gather): one gather, collective among the trainers, like every publish.
         with torch.no_grad(), gathered_for_generation(self.module, self.policy):
-            self.layout = WeightLayout.of(self.module.state_dict()) if role.global_rank == 0 else None
+            self.layout = (WeightLayout.of(self.module.state_dict(), bucket_bytes(memory.weight_sync_bucket_mib))
+                           if role.global_rank == 0 else None)
         self.sender = WeightSender(role.sync, self.layout) if role.global_rank == 0 else None
         self.start_version: int | None = None
         self.version: int | None = None  # the version published last (= the rollout being made)
         self.timing: dict[str, float] = {}
         self.lost = False  # a generator is gone or hangs: close() does not wait for it
+        self.sync_problem: tuple[str, int | None] | None = None  # trainer 0's send failed: (why, hung generator)
 
     def returns_routes(self) -> bool:
         """Whether the generators' backend (the run's ``rollout.backend`` on the same policy) records routes."""
@@ -142,18 +149,43 @@ class RemoteRolloutBackend(RolloutBackend):
         if version is None:
             raise RuntimeError("RemoteRolloutBackend.begin(rollout) must run before the first sync")
         t0 = time.perf_counter()
+        waited, sent = 0.0, 0
         with torch.no_grad(), gathered_for_generation(self.module, self.policy):
-            waited = self.sender.send(version, self.module.state_dict(), time.monotonic() + self.bound_s) \
-                if self.sender is not None else 0.0
+            if self.sender is not None:
+                try:
+                    waited = self.sender.send(version, self.module.state_dict(), time.monotonic() + self.bound_s)
+                    sent = self.sender.bytes_per_version()
+                except (RuntimeError, TimeoutError) as e:  # reported with the samples' status (generate)
+                    self.sync_problem = self._send_failure(version, e)
         self.version = version
-        self.timing = {"publish_s": time.perf_counter() - t0, "publish_wait_s": waited}
+        seconds = time.perf_counter() - t0
+        self.timing = {"publish_s": seconds, "publish_wait_s": waited, "weight_sync_s": seconds,
+                       "weight_sync_bytes": float(sent),
+                       "weight_sync_buckets": float(len(self.layout.buckets) if sent else 0)}
+
+    def _send_failure(self, version: int, e: BaseException) -> tuple[str, int | None]:
+        """Why trainer 0 could not send version ``version`` (the generators' owner named), and the generator that
+        hangs (None: it is gone)."""
+        peers = self.role.peers
+        generators = [self.role.generator_global_rank(i) for i in range(self.role.generators)]
+        if isinstance(e, TimeoutError):
+            frozen = [g for g in generators if peers is not None and peers.state(g) == FROZEN]
+            who = (frozen or generators)[0]
+            return (f"{self.role.describe(who)} did not take the weights of rollout {version + 1} within "
+                    f"{self.bound_s:.0f} s (0.9 x dsrl.run.collective_timeout_s): it "
+                    f"{'is frozen (its process is stopped)' if frozen else 'hangs'}", who)
+        gone = self.role.obituary()
+        return ((gone or "a generator rank is gone") + f" while the weights of rollout {version + 1} were sent "
+                f"({describe_failure(e)})", None)
 
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
         """This replica's completions of the current rollout, as its generator sent them (module docstring)."""
         t0 = time.perf_counter()
         status, msg, hung = "ok", None, None
         rollout = self.version + 1  # as the console counts rollouts
-        if self.receiver is not None:
+        if self.sync_problem is not None:
+            status, hung = self.sync_problem
+        elif self.receiver is not None:
             def requested() -> bool:
                 return self.stop is not None and self.stop.requested_at is not None
 

@@ -6,9 +6,13 @@ Three kinds of message, each on its own channel so that every pair of ranks sees
   run (re)starts, the prompt sampler's state, the staleness bound, which trainer rank is each replica's
   source, and the weights' layout (:class:`WeightLayout`);
 - **weights** (sync group, broadcast from trainer 0): a header ``[version, stop]`` (int64), then, unless
-  ``stop``, one flat buffer per dtype holding every tensor of the policy's ``state_dict`` in the layout's
-  order. The generator posts the receive of the next version before it generates, so the trainer's send
-  never waits for generation (:class:`WeightReceiver`);
+  ``stop``, the policy's ``state_dict`` in the layout's order as a byte stream cut into buckets of at most
+  ``dsrl.memory.weight_sync_bucket_mib`` (:mod:`dsrl.core.buckets`), each one broadcast, so neither side holds
+  a second whole copy of the model: trainer 0 packs a bucket while the one before travels, the generator unpacks
+  a bucket into its model while the next arrives. The generator posts the receive of the next header before
+  it generates; trainer 0's send completes once the generators take the buckets (with k >= 1 after the
+  generation in progress, which the trainers wait for anyway: its samples come first) (:class:`WeightSender`,
+  :class:`WeightReceiver`);
 - **samples** (bridge, point to point, generator -> a replica's source trainer): a header
   ``[rollout, replica, version, bytes, generation microseconds, idle microseconds]`` (int64), then the
   completions encoded with :mod:`dsrl.rl.data.codec` (exact, bit for bit).
@@ -19,6 +23,7 @@ weight lands in the generator's tensor of the same name, bit for bit (dtype conv
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -32,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dsrl.core.buckets import Segment, bucket_size, byte_buckets
 from dsrl.rl.data.codec import decode_sample, encode_sample
 from dsrl.rollout.base import Completion
 
@@ -148,60 +154,81 @@ def describe_failure(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class WeightLayout:
-    """Each tensor's name, dtype and shape in ``state_dict`` order, grouped into one flat buffer per dtype."""
+    """Each tensor's name, dtype and shape in ``state_dict`` order, and their cut into buckets of at most
+    ``bucket_bytes`` (:func:`dsrl.core.buckets.byte_buckets`): both sides derive the same cut from the layout."""
 
     entries: list[tuple[str, str, list[int]]]
+    bucket_bytes: int = 512 * 2**20
 
     @classmethod
-    def of(cls, state: Mapping[str, torch.Tensor]) -> WeightLayout:
-        return cls([(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()])
+    def of(cls, state: Mapping[str, torch.Tensor], bucket_bytes: int = 512 * 2**20) -> WeightLayout:
+        return cls([(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()],
+                   bucket_bytes)
 
-    def to_json(self) -> list:
-        return [list(e) for e in self.entries]
+    def to_json(self) -> dict[str, Any]:
+        return {"entries": [list(e) for e in self.entries], "bucket_bytes": self.bucket_bytes}
 
     @classmethod
-    def from_json(cls, doc: list) -> WeightLayout:
-        return cls([(str(n), str(d), [int(x) for x in s]) for n, d, s in doc])
+    def from_json(cls, doc: dict[str, Any]) -> WeightLayout:
+        return cls([(str(n), str(d), [int(x) for x in s]) for n, d, s in doc["entries"]], int(doc["bucket_bytes"]))
 
-    def dtypes(self) -> list[str]:
-        return list(dict.fromkeys(d for _, d, _ in self.entries))
+    def _dtypes(self) -> list[torch.dtype]:
+        return [getattr(torch, d) for _, d, _ in self.entries]
 
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """Zeroed flat CPU buffers, one per dtype."""
-        sizes: dict[str, int] = {}
-        for _, d, shape in self.entries:
-            sizes[d] = sizes.get(d, 0) + int(np.prod(shape, dtype=np.int64))
-        return {d: torch.zeros(n, dtype=getattr(torch, d)) for d, n in sizes.items()}
+    @functools.cached_property
+    def buckets(self) -> list[list[Segment]]:
+        sizes = [(int(np.prod(shape, dtype=np.int64)), torch.empty(0, dtype=dt).element_size())
+                 for (_, _, shape), dt in zip(self.entries, self._dtypes())]
+        return byte_buckets(sizes, self.bucket_bytes)
 
-    def pack(self, state: Mapping[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` (any device) into ``buffers``."""
-        offsets = dict.fromkeys(buffers, 0)
-        for name, d, _ in self.entries:
-            flat = state[name].detach().reshape(-1)
-            buffers[d][offsets[d]:offsets[d] + flat.numel()].copy_(flat)
-            offsets[d] += flat.numel()
+    def bucket_sizes(self) -> list[int]:
+        itemsizes = [torch.empty(0, dtype=dt).element_size() for dt in self._dtypes()]
+        return [bucket_size(b, itemsizes) for b in self.buckets]
 
-    def unpack(self, buffers: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``buffers`` into the tensors of ``state`` (a module's state_dict: written in place)."""
-        offsets = dict.fromkeys(buffers, 0)
+    def staging(self) -> list[torch.Tensor]:
+        """Two byte buffers of the largest bucket's size: a sync packs (or unpacks) one while the other travels."""
+        largest = max(self.bucket_sizes(), default=0)
+        return [torch.zeros(largest, dtype=torch.uint8) for _ in range(2)]
+
+    def _slot(self, buffer: torch.Tensor, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
+        n = seg.count * torch.empty(0, dtype=dtype).element_size()
+        return buffer[seg.offset:seg.offset + n].view(dtype)
+
+    def pack(self, state: Mapping[str, torch.Tensor], bucket: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Copy bucket ``bucket`` of ``state`` (any device) into ``buffer``; returns the filled prefix."""
+        dtypes = self._dtypes()
+        for seg in self.buckets[bucket]:
+            name = self.entries[seg.index][0]
+            flat = state[name].detach().reshape(-1)[seg.start:seg.start + seg.count]
+            self._slot(buffer, seg, dtypes[seg.index]).copy_(flat)
+        return buffer[:self.bucket_sizes()[bucket]]
+
+    def unpack(self, buffer: torch.Tensor, bucket: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy bucket ``bucket`` from ``buffer`` into the tensors of ``state`` (a module's state_dict: written in
+        place, dtype and device converted)."""
         missing = [name for name, _, _ in self.entries if name not in state]
         if missing:
             raise RuntimeError(f"the generator's model has no tensor {missing[0]!r} of the trainer's policy: the two "
                                "sides built different models (dsrl.model must be the same on every rank)")
-        for name, d, shape in self.entries:
-            n = int(np.prod(shape, dtype=np.int64))
-            target = state[name]
-            target.copy_(buffers[d][offsets[d]:offsets[d] + n].view(shape).to(target.device, target.dtype))
-            offsets[d] += n
+        dtypes = self._dtypes()
+        for seg in self.buckets[bucket]:
+            target = state[self.entries[seg.index][0]]
+            flat = target.view(-1) if target.is_contiguous() else None
+            part = self._slot(buffer, seg, dtypes[seg.index]).to(target.device, target.dtype)
+            if flat is None:
+                raise RuntimeError(f"the generator's tensor {self.entries[seg.index][0]!r} is not contiguous")
+            flat[seg.start:seg.start + seg.count].copy_(part)
 
 
 class WeightSender:
-    """Trainer 0's side: broadcast each version without waiting for the generators (the previous send must
-    have completed before the buffers are reused; the time spent waiting for it is returned)."""
+    """Trainer 0's side: each version's header, then its buckets, packed into two staging buffers in turn (a
+    bucket is packed while the one before travels). Packing bucket i waits until bucket i - 2 has been taken, so
+    a send completes once the generators are receiving; the last two buckets' sends complete in the background
+    (:meth:`drain` waits for them)."""
 
     def __init__(self, group: Any, layout: WeightLayout):
         self.group, self.layout = group, layout
-        self.buffers = layout.buffers()
+        self.staging = layout.staging()
         self.pending: list[Any] = []
         self._header = torch.zeros(2, dtype=torch.int64)
 
@@ -214,42 +241,64 @@ class WeightSender:
         return time.perf_counter() - t0
 
     def send(self, version: int, state: Mapping[str, torch.Tensor] | None, deadline: float | None = None) -> float:
-        """Post version ``version`` (``state`` None: the stop message); returns the seconds spent waiting for the
-        previous send."""
+        """Send version ``version`` (``state`` None: the stop message); returns the seconds spent waiting for the
+        generators to take earlier buckets (TimeoutError past ``deadline``, RuntimeError if one is gone)."""
         waited = self.drain(deadline)
         self._header.copy_(torch.tensor([version, int(state is None)]))
         self.pending.append(_broadcast(self.group, self._header))
-        if state is not None:
-            self.layout.pack(state, self.buffers)
-            self.pending += [_broadcast(self.group, self.buffers[d]) for d in self.layout.dtypes()]
+        if state is None:
+            return waited
+        in_flight: list[Any] = [None, None]
+        for i in range(len(self.layout.buckets)):
+            slot = i % 2
+            if in_flight[slot] is not None:
+                t0 = time.perf_counter()
+                if not wait(in_flight[slot], deadline):
+                    raise TimeoutError("a generator did not take a bucket of the weights")
+                waited += time.perf_counter() - t0
+            in_flight[slot] = _broadcast(self.group, self.layout.pack(state, i, self.staging[slot]))
+        self.pending += [w for w in in_flight if w is not None]
         return waited
+
+    def bytes_per_version(self) -> int:
+        return sum(self.layout.bucket_sizes())
 
 
 class WeightReceiver:
-    """A generator's side: one version always posted ahead (:meth:`post`), received into staging buffers."""
+    """A generator's side: the next version's header always posted ahead (:meth:`post`); once it arrived,
+    :meth:`receive_into` takes the buckets into two staging buffers in turn (one is unpacked into the model while the
+    next arrives): the generator never holds a second whole copy of the weights."""
 
     def __init__(self, group: Any, layout: WeightLayout):
         self.group, self.layout = group, layout
-        self.buffers = layout.buffers()
+        self.staging = layout.staging()
         self.header = torch.zeros(2, dtype=torch.int64)
-        self.works: list[Any] = []
+        self.work: Any = None
 
     def post(self) -> None:
-        self.works = [_broadcast(self.group, self.header)]
-        self.works += [_broadcast(self.group, self.buffers[d]) for d in self.layout.dtypes()]
+        self.work = _broadcast(self.group, self.header)
 
     def take(self, deadline: float | None = None) -> tuple[int, bool] | None:
-        """(version, stop) of the posted message once it arrived (its buffers then hold the weights); None if
-        ``deadline`` passed first."""
-        if not wait(self.works[0], deadline):
+        """(version, stop) of the posted header once it arrived; None if ``deadline`` passed first."""
+        if not wait(self.work, deadline):
             return None
         version, stop = (int(x) for x in self.header.tolist())
-        if stop:
-            return version, True
-        for work in self.works[1:]:
-            if not wait(work, deadline):
-                return None
-        return version, False
+        return version, bool(stop)
+
+    def receive_into(self, state: Mapping[str, torch.Tensor] | None, deadline: float | None = None) -> bool:
+        """The buckets of the version whose header :meth:`take` returned, unpacked into ``state`` in place (None:
+        received and dropped, so that the next header lines up); False if ``deadline`` passed first."""
+        sizes = self.layout.bucket_sizes()
+        n = len(sizes)
+        works = [_broadcast(self.group, self.staging[i][:sizes[i]]) for i in range(min(2, n))]
+        for i in range(n):
+            if not wait(works[i], deadline):
+                return False
+            if state is not None:
+                self.layout.unpack(self.staging[i % 2], i, state)
+            if i + 2 < n:
+                works.append(_broadcast(self.group, self.staging[i % 2][:sizes[i + 2]]))
+        return True
 
 
 # -- samples --------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from dsrl.rl.policy.loss import PolicyLoss
 from dsrl.runtime.phases import PhaseClock
 
 if TYPE_CHECKING:
+    from dsrl.backends.deepspeed.offload import StateOffload
     from dsrl.rl.policy.moe import PolicyRouting, RouteMismatch
 
 
@@ -74,10 +75,13 @@ class PolicyActor:
 
     @classmethod
     def build(cls, model: torch.nn.Module, spec: EngineSpec, model_cfg: ModelConfig, settings: ActorSettings,
-              algo: ResolvedAlgorithm, *, moe: bool, phases: PhaseClock) -> PolicyActor:
+              algo: ResolvedAlgorithm, *, moe: bool, phases: PhaseClock, memory: StateOffload | None = None
+              ) -> PolicyActor:
         """The policy's engine from ``spec`` (:func:`dsrl.backends.deepspeed.engine.prepare`), its KL reference when
         ``algorithm.kl_coef > 0`` (a frozen copy taken before the engine wraps the model, or the LoRA policy with its
-        adapters disabled), an MoE policy's routing duties (``moe``) and the loss."""
+        adapters disabled), an MoE policy's routing duties (``moe``) and the loss. ``memory``
+        (:class:`dsrl.backends.deepspeed.offload.StateOffload`) takes the engine's training state and the frozen copy
+        off the device between the phases that need them, with ``dsrl.memory.offload_states``."""
         want_reference = settings.algorithm.kl_coef > 0
         copy = None
         if want_reference and model_cfg.lora is None:
@@ -85,9 +89,12 @@ class PolicyActor:
 
             copy = frozen_copy(model)  # before initialize: the engine may shard the model it wraps
         engine = initialize(model, spec)
+        if memory is not None:
+            memory.add_engine(engine)
         reference: NoGradPasses | None = None
         if copy is not None:
-            reference = FrozenModel(frozen_engine(copy, engine, engine.device), engine.device)
+            frozen = frozen_engine(copy, engine, engine.device)
+            reference = FrozenModel(frozen, engine.device, memory.frozen(frozen) if memory is not None else None)
         elif want_reference:
             from dsrl.rl.policy.lora import AdaptersDisabled
 

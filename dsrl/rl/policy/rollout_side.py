@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dsrl.config import ConfigError, DsrlConfig, ModelConfig, RolloutConfig
+from dsrl.config import ConfigError, DsrlConfig, MemoryConfig, ModelConfig, RolloutConfig
 from dsrl.config.names import VLLM_BACKEND
 from dsrl.core.forwards import PolicyForwards
 from dsrl.core.routes import MoELayout
@@ -37,19 +37,20 @@ from dsrl.rollout.policy import unwrap
 
 @dataclass(frozen=True)
 class RolloutSideSettings:
-    """What of the run file the rollout side reads: its sections ``model`` and ``rollout``, G
-    (``batch.samples_per_prompt``), the run's seed and the longest sequence generation makes
-    (``DsrlConfig.max_generation_tokens``)."""
+    """What of the run file the rollout side reads: its sections ``model``, ``rollout`` and ``memory`` (vLLM's sleep
+    level, the weight-sync buckets), G (``batch.samples_per_prompt``), the run's seed and the longest sequence
+    generation makes (``DsrlConfig.max_generation_tokens``)."""
 
     model: ModelConfig
     rollout: RolloutConfig
+    memory: MemoryConfig
     samples_per_prompt: int
     seed: int
     max_generation_tokens: int
 
     @classmethod
     def of(cls, d: DsrlConfig) -> RolloutSideSettings:
-        return cls(d.model, d.rollout, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens)
+        return cls(d.model, d.rollout, d.memory, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens)
 
 
 class RolloutSide:
@@ -122,8 +123,11 @@ class RolloutSide:
 
             return {"bounds": CallBounds.of_run(prompts_per_call, st.samples_per_prompt,
                                                 st.rollout.generation_batch_size, st.max_generation_tokens)}
+        from dsrl.core.buckets import bucket_bytes
+
         return {"max_model_len": st.max_generation_tokens, "samples_per_prompt": st.samples_per_prompt,
-                "seed": st.seed}
+                "seed": st.seed, "sleep_level": st.memory.vllm_sleep_level,
+                "bucket_bytes": bucket_bytes(st.memory.weight_sync_bucket_mib)}
 
     def backend(self, policy: PolicyForwards | torch.nn.Module, prompts_per_call: int) -> RolloutBackend:
         """The run's ``rollout.backend`` generating with ``policy`` (an RLEngine, or this side's model), whose

@@ -18,7 +18,9 @@ The reward of a sample is ``data.reward_model_weight * score + data.rule_reward_
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,8 +38,11 @@ class RewardModel:
     """Scores token sequences with a sequence-classification model (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, head: torch.nn.Module, pad_id: int, micro_batch_size: int,
-                 device: torch.device):
+                 device: torch.device, offload: Callable[[Any], Any] | None = None):
+        """``offload``: with ``dsrl.memory.offload_states``, makes the placed model's
+        :class:`dsrl.backends.deepspeed.offload.FrozenWeights` (the weights leave the device between scoring passes)."""
         self.model, self.pad_id, self.micro_batch_size, self.device = model, pad_id, micro_batch_size, device
+        self.offload = offload(model) if offload is not None else None
         self._per_position: torch.Tensor | None = None
         head.register_forward_hook(self._capture)
         self.filler_forwards = 0  # forwards this rank ran only to match other ranks' counts (ZeRO-3)
@@ -47,7 +52,7 @@ class RewardModel:
 
     @classmethod
     def load(cls, path: str, tokenizer: PreTrainedTokenizerBase, rl: RLEngine, *, on_gpu: bool,
-             micro_batch_size: int) -> RewardModel:
+             micro_batch_size: int, offload: Callable[[Any], Any] | None = None) -> RewardModel:
         """Load ``path`` (``dsrl.data.reward_model``) and place it like the policy engine ``rl``."""
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -74,7 +79,8 @@ class RewardModel:
             raise ConfigError(f"{field} = {path!r} is a {type(model).__name__} without a 'score' head; dsrl reads the "
                               "score of causal-LM sequence classifiers (Llama, Qwen2, Mistral, ... "
                               "ForSequenceClassification).")
-        return cls(frozen_engine(model, rl, rl.device), head, tokenizer.pad_token_id, micro_batch_size, rl.device)
+        return cls(frozen_engine(model, rl, rl.device), head, tokenizer.pad_token_id, micro_batch_size, rl.device,
+                   offload)
 
     def _forward(self, model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], use_cache=False)
@@ -102,7 +108,8 @@ class RewardModel:
         micros = [self._collate(sequences[i:i + self.micro_batch_size])
                   for i in range(0, len(sequences), self.micro_batch_size)]
         filler = self._collate([[self.pad_id]])
-        outs, fillers = equal_forwards(self.model, micros, self._forward, filler, self.device)
+        with self.offload.for_pass() if self.offload is not None else contextlib.nullcontext():
+            outs, fillers = equal_forwards(self.model, micros, self._forward, filler, self.device)
         self.filler_forwards += fillers
         return [float(x) for out in outs for x in out.tolist()]
 

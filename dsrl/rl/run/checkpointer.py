@@ -23,6 +23,7 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
+from dsrl.backends.deepspeed.offload import StateOffload
 from dsrl.checkpoint import adapters
 from dsrl.checkpoint.commit import latest_complete_tag
 from dsrl.checkpoint.engines import load_engines, save_engines
@@ -48,8 +49,8 @@ class Checkpointer:
 
     def __init__(self, actor: PolicyActor, critic: Critic | NoCritic, state: RunState, run_dir: RunDir,
                  run: RunConfig, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, watch: PhaseWatch,
-                 stop: StopControl, peers: Peers, rank: int, world: int):
-        self.actor, self.critic, self.state, self.run_dir = actor, critic, state, run_dir
+                 stop: StopControl, memory: StateOffload, peers: Peers, rank: int, world: int):
+        self.actor, self.critic, self.state, self.run_dir, self.memory = actor, critic, state, run_dir, memory
         self.run, self.model, self.tokenizer = run, model, tokenizer
         self.watch, self.stop, self.peers, self.rank, self.world = watch, stop, peers, rank, world
         self.ckpt_dir = os.path.join(run.output_dir, CHECKPOINT_SUBDIR)
@@ -62,6 +63,7 @@ class Checkpointer:
         """Commit checkpoint ``rollout{N}`` of the live state, or of ``at`` (the boundary a stop inside the next
         rollout's drawing commits). Collective: every rank calls it."""
         at = at or self.state.snapshot()
+        self.memory.reload()  # the engines are saved with their states on the device
         client = dict(at.state)
         routing = self.actor.checkpoint_state()
         if routing is not None:  # the routing layout, checked when the run resumes

@@ -11,7 +11,8 @@ The order is the contract:
    anything is touched on disk or built collectively;
 3. the output directory (lock, refusals, the verified checkpoint to continue from) and its free space;
 4. the components, each from its own sections and the plan, handed their collaborators through constructors:
-   the policy actor (engine, KL reference, MoE routing, loss), the reward model, the critic, the rollout backend
+   the policy actor (engine, KL reference, MoE routing, loss), the reward model, the critic (the training engines
+   and frozen models registered with the memory offload, ``dsrl.memory``), the rollout backend
    (or the generators' remote one), the scorer, the multi-turn runner, the experience maker, the run state and
    its checkpointer; then the resume, and the metrics writer positioned after it.
 
@@ -32,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dsrl import algos
 from dsrl.backends.deepspeed.engine import EngineSpec, ensure_distributed, on_gpu, prepare
+from dsrl.backends.deepspeed.offload import StateOffload
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.checkpoint.run_dir import RunDir, check_free_space, open_run_dir
 from dsrl.config import Config, ConfigError, load_config
@@ -81,6 +83,7 @@ class RunParts:
     experience: ExperienceMaker
     watch: Watch
     phases: PhaseClock
+    memory: StateOffload
     state: RunState
     checkpointer: Checkpointer
     stop_policy: StopPolicy
@@ -164,22 +167,25 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
     check_free_space(run_dir, side.model, d.run)
 
     phases = PhaseClock(get_accelerator())  # seconds, tokens and peak memory per phase (dsrl.runtime.phases)
+    memory = StateOffload(d.memory)  # training state and frozen models off the device between their phases
     algo = algos.resolve_algorithm(d.algorithm)
     actor = PolicyActor.build(side.model, checked.spec, d.model, ActorSettings.of(d), algo,
-                              moe=checked.moe_layout is not None, phases=phases)
+                              moe=checked.moe_layout is not None, phases=phases, memory=memory)
     plan = actor.engine.plan
     reward_model = None
     if d.data.reward_model:
         from dsrl.rl.rewards.model import RewardModel
 
         reward_model = RewardModel.load(d.data.reward_model, tok, actor.engine, on_gpu=gpu,
-                                        micro_batch_size=d.rollout.logprob_micro_batch_size)
+                                        micro_batch_size=d.rollout.logprob_micro_batch_size, offload=memory.frozen)
     critic = build_critic(checked.critic_spec, tok, seed=d.run.seed, phases=phases)  # the value model, or NO_CRITIC
+    for critic_engine in critic.companions().values():
+        memory.add_engine(critic_engine)
     backend: RolloutBackend
     if role is not None:  # completions come from the generator ranks (dsrl.rl.disagg.remote)
         from dsrl.rl.disagg.remote import RemoteRolloutBackend
 
-        backend = RemoteRolloutBackend(role, actor.engine, d.rollout, d.run, plan, prompts, stop)
+        backend = RemoteRolloutBackend(role, actor.engine, d.rollout, d.run, d.memory, plan, prompts, stop)
     else:
         backend = side.backend(actor.engine, plan.prompts_per_rank)
     # phase ends bounded, missing ranks named, waits reported (dsrl.runtime.watchdog)
@@ -199,13 +205,13 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
                                  tok.pad_token_id, critic=critic, episodes=episodes, watch=watch, phases=phases)
     state = RunState(prompts.sampler, EmptyRollouts(d.run.max_empty_rollouts))
     checkpointer = Checkpointer(actor, critic, state, run_dir, d.run, d.model, tok, watch=watch, stop=stop,
-                                peers=peers, rank=rank, world=world)
+                                memory=memory, peers=peers, rank=rank, world=world)
     resumed = checkpointer.resume()
     metrics = MetricsWriter(d.run.output_dir, rank, actor.engine.monitor,
                             resume_at=(state.rollout, actor.engine.optimizer_steps) if resumed else None)
     return RunParts(cfg, role, rank, world, stop, peers, run_dir, plan, tok, prompts, actor, critic, backend,
-                    experience, watch, phases, state, checkpointer, StopPolicy.of(d.run, plan.rollouts), metrics,
-                    resumed)
+                    experience, watch, phases, memory, state, checkpointer, StopPolicy.of(d.run, plan.rollouts),
+                    metrics, resumed)
 
 
 def match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) -> None:
