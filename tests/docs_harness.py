@@ -3,8 +3,8 @@
 For every fenced block of a doc:
 
 - ``json``: a run file, validated as ``dsrl plan`` validates one (the run file, its DeepSpeed half, the plan); a
-  block preceded by ``<!-- fragment of FILE -->`` is merged into the shipped run file FILE first (a fragment may
-  be a list of ``"section": {...}`` entries of the ``"dsrl"`` section), and one preceded by
+  block preceded by ``<!-- fragment of FILE -->`` replaces those sections of the shipped run file FILE first (a
+  fragment may be a list of ``"section": {...}`` entries of the ``"dsrl"`` section), and one preceded by
   ``<!-- excerpt of FILE -->`` must equal FILE wherever it says something. ``jsonl`` blocks are data rows (each
   line parses);
 - shell blocks: every command's flags are accepted by its own parser -- ``dsrl ...``, ``deepspeed ...
@@ -73,13 +73,6 @@ def prose(text: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------- run files
-def _merge(base: dict, part: dict) -> dict:
-    out = dict(base)
-    for k, v in part.items():
-        out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-    return out
-
-
 def _parse_json_block(text: str) -> Any:
     try:
         return json.loads(text)
@@ -132,9 +125,10 @@ def check_json_block(b: Block) -> list[str]:
     if excerpt is not None:
         return [f"{b.where()}: the excerpt of {excerpt.relative_to(REPO)} differs: {p}"
                 for p in _excerpt_differs(raw, json.loads(excerpt.read_text()))]
-    if fragment is not None:
+    if fragment is not None:  # the fragment's sections replace the file's (as a user's run file would hold them)
         whole = json.loads(fragment.read_text())
-        raw = _merge(whole, raw if "dsrl" in raw else {"dsrl": raw})
+        part = raw if "dsrl" in raw else {"dsrl": raw}
+        raw = {**whole, **{k: v for k, v in part.items() if k != "dsrl"}, "dsrl": {**whole["dsrl"], **part["dsrl"]}}
         size = WORLD_SIZES.get(fragment.name, 2)
     else:
         size = 2

@@ -17,7 +17,7 @@ from dsrl.config.section import Section, setting
 
 
 class RolloutCorrectionConfig(Section):
-    """Off-policy correction of the rollout policy (ARCHITECTURE §8): the samples were drawn by the rollout
+    """Off-policy correction of the rollout policy (docs/rollout.md): the samples were drawn by the rollout
     backend (its kernels, precision and, asynchronously, older weights), the loss uses the trainer's log-probs;
     w = pi_old / mu per token. The mismatch is measured and logged whatever the mode."""
 

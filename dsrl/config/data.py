@@ -67,7 +67,8 @@ class DataConfig(Section):
               "policy (docs/ppo.md)")
     reward_model_weight: float = setting(1.0, "reward = reward_model_weight * score + rule_reward_weight * rule reward")
     rule_reward_weight: float = setting(
-        1.0, "weight of the rule reward (reward_fn or the task's); 0 with a task = the reward model alone")
+        1.0, "weight of the rule reward: reward_fn, or the task's, and with an environment the sum of its episode's "
+             "rewards (plus reward_fn of the last turn when set); 0 with a task = the reward model alone")
     environment: str | None = setting(
         None, "multi-turn rollouts: dotted path 'pkg.module:Factory' (or 'path/to/file.py:Factory') of an "
               "environment factory, called with (prompt, answer) once per sample; its episode's step(turn) returns "

@@ -23,14 +23,14 @@ ALGORITHM_NAMES: tuple[str, ...] = get_args(AlgorithmName)
 # Levels of a per-token quantity: "token" = each token its own; "sequence" = one value per sequence.
 # The importance ratio (algorithm.ratio_level): token = pi/pi_old per token (PPO, GRPO); sequence = the
 # length-normalised sequence likelihood ratio exp(mean_t log(pi/pi_old)), clipped per sequence (GSPO).
-# The off-policy correction (algorithm.rollout_correction.level): ARCHITECTURE §8, dsrl.algos.correction.
+# The off-policy correction (algorithm.rollout_correction.level): dsrl.algos.correction.
 Level = Literal["token", "sequence"]
 LEVELS: tuple[str, ...] = get_args(Level)
 TOKEN_LEVEL, SEQUENCE_LEVEL = LEVELS
 RatioLevel = Level
 RATIO_LEVELS = LEVELS
 
-# Off-policy correction of the behavior policy (algorithm.rollout_correction.mode, ARCHITECTURE §8): none, tis
+# Off-policy correction of the behavior policy (algorithm.rollout_correction.mode): none, tis
 # (truncated importance sampling), mis (masked importance sampling).
 CorrectionMode = Literal["none", "tis", "mis"]
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
@@ -78,7 +78,7 @@ RolloutBackendName = Literal["hf", "cb", "auto", "vllm"]
 ROLLOUT_BACKENDS: tuple[str, ...] = get_args(RolloutBackendName)
 HF_BACKEND, CB_BACKEND, AUTO_BACKEND, VLLM_BACKEND = ROLLOUT_BACKENDS
 
-# Where generation runs (ARCHITECTURE §8): every rank generates then trains (colocated), or rollout.generator_ranks
+# Where generation runs: every rank generates then trains (colocated), or rollout.generator_ranks
 # ranks only generate and the others only train (disaggregated, asynchronous within algorithm.max_staleness).
 Placement = Literal["colocated", "disaggregated"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)

@@ -57,7 +57,8 @@ class RunConfig(Section):
            "nothing never ends with status 0", "rollouts", gt=0)
     stop_grace_s: float = setting(
         25.0, "after SIGTERM/SIGINT or the death of the launcher: finish the rollout and checkpoint if that fits "
-              "in this time, else stop at the next mini-batch boundary; a rank still running after it exits",
+              "in this time, else stop at the next mini-batch boundary; a rank still running 5 s after it exits with "
+              "128 + the signal's number",
         "seconds", gt=0)
 
     @model_validator(mode="after")
