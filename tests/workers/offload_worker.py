@@ -4,7 +4,7 @@ Builds a :class:`dsrl.rl.trainer.Trainer` (tiny Qwen2, a frozen KL reference, Ze
 and trains one rollout (the optimizer states exist), then with Python's garbage collector off (so only reference
 counting frees anything, as in :func:`dsrl.backends.deepspeed.offload.heap_frozen`):
 
-- offloads the training state (``trainer.memory.release()``) and looks for any live tensor still on a storage the
+- offloads the training state (``parts.memory.release()``) and looks for any live tensor still on a storage the
   state used before (none may be left: the device copy is really gone, not kept alive by a view DeepSpeed forgot);
 - tries a training step while offloaded (refused by ``require_resident``);
 - reloads and compares every state tensor with a copy taken before the offload (bit for bit; ZeRO-3's reduce
@@ -63,40 +63,41 @@ def main() -> int:
     from dsrl.backends.deepspeed.offload import ALIGN_BYTES, state_tensors
     from dsrl.rl.data.batching import chunks, collate
 
-    trainer = Trainer(config(args.stage, os.path.join(os.path.dirname(args.out), f"run_stage{args.stage}")))
-    engine = trainer.rl.engine
-    maker = trainer.experience
-    trainer.memory.release()
+    trainer = Trainer.from_config(config(args.stage, os.path.join(os.path.dirname(args.out), f"run_stage{args.stage}")))
+    parts = trainer.parts
+    engine = parts.actor.engine.engine
+    maker, memory = parts.experience, parts.memory
+    memory.release()
     local, _, _ = maker.make(0)
-    trainer.memory.reload()
-    trainer.train_rollout(local, lambda res, critic_res: None)
-    report: dict[str, Any] = {"steps": trainer.rl.optimizer_steps}
+    memory.reload()
+    trainer.train_rollout(local)
+    report: dict[str, Any] = {"steps": parts.actor.engine.optimizer_steps}
 
     gc.collect()
     gc.disable()  # from here only reference counting frees memory
     old = {t.untyped_storage().data_ptr() for t in state_tensors(engine) if t.numel()}
     snapshot = [t.detach().clone() for t in state_tensors(engine, scratch=False)]  # reduce buckets: not kept
-    trainer.memory.release()
-    moved = trainer.memory.meter.take()
+    memory.release()
+    moved = memory.meter.take()
     after = {t.untyped_storage().data_ptr() for t in state_tensors(engine) if t.numel()}
     live = {o.untyped_storage().data_ptr() for o in gc.get_objects() if torch.is_tensor(o) and o.numel()}
     report.update(state_storages=len(old), still_alive=len((old & live) - after), offload_bytes=moved.offload_bytes)
     try:
-        trainer.train_rollout(local, lambda res, critic_res: None)
+        trainer.train_rollout(local)
         report["step_while_offloaded"] = "ran"
     except RuntimeError as e:
         report["step_while_offloaded"] = str(e)
-    trainer.memory.reload()
+    memory.reload()
     back = state_tensors(engine, scratch=False)
     report["reloaded_equal"] = len(back) == len(snapshot) and all(torch.equal(a, b) for a, b in zip(back, snapshot))
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     report["optimizer_state_keys"] = sorted({k for st in inner.state.values() for k in st})  # what a checkpoint saves
     gc.enable()
 
-    ref = trainer.ref_model
+    ref = parts.actor.reference
     groups = chunks(local, 4)
-    micros = [collate(g, trainer.pad_id, trainer.device, with_logprobs=False) for g in groups]
-    fn = maker._logprob_fn()
+    micros = [collate(g, parts.tokenizer.pad_token_id, parts.actor.device, with_logprobs=False) for g in groups]
+    fn = parts.actor._logprob_fn()
     first = [t.clone() for t in ref.forward_no_grad(micros, fn)]
     weights = ref.offload
     hosts = {dt: buf.data_ptr() for dt, buf in weights._host.items()}
@@ -109,10 +110,10 @@ def main() -> int:
                   reference_resident=weights.resident, reference_tensors=len(weights._layout))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    trainer.metrics.close()
-    trainer.backend.close()
-    trainer.stop.uninstall()
-    trainer.run_dir.release()
+    parts.metrics.close()
+    parts.backend.close()
+    parts.stop.uninstall()
+    parts.run_dir.release()
     return 0
 
 
