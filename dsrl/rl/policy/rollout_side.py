@@ -17,7 +17,10 @@ their side here, so the three cannot drift apart. Invariants of :class:`RolloutS
 - :meth:`RolloutSide.check` refuses, before any work, what the rank that generates cannot serve (vLLM missing, a
   head size or architecture vLLM lacks), with the colocated path's sentence on every placement;
 - the backend's arguments (vLLM's ``max_model_len``, G and seed; continuous batching's bounds of the run's largest
-  call) are computed once, here (:meth:`RolloutSide.backend_kwargs`), for colocated and generator ranks alike.
+  call, which ``rollout.backend = "auto"`` also decides from) are computed once, here
+  (:meth:`RolloutSide.backend_kwargs`), for colocated and generator ranks alike, and for ``dsrl plan``
+  (:meth:`RolloutSide.planned_workload`: what ``auto`` will decide from, out of the run file and the model's
+  config alone).
 """
 
 from __future__ import annotations
@@ -92,18 +95,68 @@ class RolloutSide:
 
         return check_moe_run(self.cfg, self.on_gpu)
 
+    def call_bounds(self, prompts_per_call: int) -> Any:
+        """The run's largest call (:class:`dsrl.rollout.cb.CallBounds`): ``prompts_per_call`` prompts of G samples,
+        each sequence at most ``max_generation_tokens``, at most ``rollout.max_new_tokens`` new tokens per call (with
+        an environment: per model turn, within ``max_trajectory_tokens``) and, per rollout, at most ``max_turns``
+        calls per trajectory times the dynamic-sampling rounds."""
+        from dsrl.config.names import ALGORITHM_DEFAULTS
+        from dsrl.rollout.cb import CallBounds
+
+        d, r, a = self.d, self.d.rollout, self.d.algorithm
+        new_tokens = min(r.max_new_tokens, r.max_trajectory_tokens) if d.multi_turn else r.max_new_tokens
+        dynamic = ALGORITHM_DEFAULTS[a.name]["dynamic_sampling"] if a.dynamic_sampling is None else a.dynamic_sampling
+        rounds = a.max_sampling_rounds if dynamic else 1
+        calls = (r.max_turns if d.multi_turn else 1) * rounds
+        return CallBounds.of_run(prompts_per_call, d.batch.samples_per_prompt, r.generation_batch_size,
+                                 d.max_generation_tokens, new_tokens=new_tokens, calls_per_rollout=calls)
+
     def backend_kwargs(self, prompts_per_call: int) -> dict[str, Any]:
         """What a backend needs beyond the rollout settings: a vLLM engine its sizes and seed; continuous batching
-        (``cb``, ``auto``) the run's largest call (:class:`dsrl.rollout.cb.CallBounds`: ``prompts_per_call`` prompts
-        of G samples, each sequence at most ``max_generation_tokens``), so one manager serves every rollout."""
+        (``cb``, ``auto``) the run's largest call (:meth:`call_bounds`), so one manager serves every rollout."""
         d = self.d
         if d.rollout.backend != VLLM_BACKEND:
-            from dsrl.rollout.cb import CallBounds
-
-            return {"bounds": CallBounds.of_run(prompts_per_call, d.batch.samples_per_prompt,
-                                                d.rollout.generation_batch_size, d.max_generation_tokens)}
+            return {"bounds": self.call_bounds(prompts_per_call)}
         return {"max_model_len": d.max_generation_tokens, "samples_per_prompt": d.batch.samples_per_prompt,
                 "seed": d.run.seed}
+
+    def planned_workload(self, prompts_per_call: int, tensor_parallel: int = 1,
+                         expert_parallel: int = 1) -> Any:
+        """The generation workload ``rollout.backend = "auto"`` will decide from
+        (:class:`dsrl.rollout.auto.GenerationWorkload`), built as the backend builds it at run time but without
+        the model's weights: its parameters are counted on the meta device (a checkpoint's config.json is read,
+        nothing else; LoRA adapters are left out of the count). Raises what reading the model's config raises."""
+        from dsrl.rl.policy.model import resolve_dtype
+        from dsrl.rollout.auto import generation_workload
+
+        d = self.d
+        parameters, attn = self._model_facts()
+        device = torch.device("cuda" if self.on_gpu else "cpu")
+        return generation_workload(device, resolve_dtype(d.model.dtype, self.on_gpu), attn, parameters, d.rollout,
+                                   self.call_bounds(prompts_per_call), tensor_parallel, expert_parallel)
+
+    def _model_facts(self) -> tuple[int, str | None]:
+        """(parameters, attention implementation) of the policy as :meth:`build_model` would build it, counted on
+        the meta device (no weights read or allocated)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from dsrl.rl.policy.model import tiny_config
+        from dsrl.rollout.cb import num_parameters
+
+        m, tok = self.d.model, self.tokenizer
+        if m.path:
+            config = AutoConfig.from_pretrained(m.path, local_files_only=True)
+        else:
+            config = tiny_config(m.arch, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, m.tiny)
+        attn = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, **attn)
+        except ImportError:  # e.g. flash-attn named but not installed on this machine: the run would refuse it
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            return num_parameters(model), m.attn_implementation
+        return num_parameters(model), model.config._attn_implementation
 
     def backend(self, policy: Any, prompts_per_call: int) -> RolloutBackend:
         """The run's ``rollout.backend`` generating with ``policy`` (an RLEngine, or this side's model), whose
