@@ -77,6 +77,9 @@ SHAPES = {
     "tiny": {"vocab": 512, "tiny": {}},
     # the same with head size 32 (2 heads, 1 key/value head), which vLLM's CPU attention kernels serve
     "tiny32": {"vocab": 512, "tiny": dict(num_attention_heads=2, num_key_value_heads=1)},
+    # between the two (4.2 M parameters): where short completions stop favouring hf (bench/auto_grid.py)
+    "mid": {"vocab": 2048, "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)},
     # a scaled-up Qwen2 shape that still decodes 128 sequences on 2 CPU cores in seconds (~17 M parameters)
     "scaled": {"vocab": 8192, "tiny": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
                                            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)},

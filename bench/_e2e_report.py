@@ -60,6 +60,11 @@ def combine(runs: list[dict[str, Any]], w: Any) -> dict[str, Any]:
     return out
 
 
+def _sec(x: float) -> str:
+    """Seconds with three significant digits below 1 s (short rollouts), two decimals above."""
+    return f"{x:.3g}" if abs(x) < 1 else f"{x:.2f}"
+
+
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -84,8 +89,8 @@ def results_table(results: dict[str, dict[str, Any]], gpu: bool) -> str:
             if side not in DSRL_SIDES and base is not None:
                 vs = f"{s['rollout_s'] / base['rollout_s']:.2f} / {_ratio(base['peak_mb'], s['peak_mb'])}"
             note = " (partial)" if r["status"] != "ok" else ""
-            rows.append([backend, SIDE_NAMES[side] + note, f"{s['rollout_s']:.2f}", f"{s['generate_s']:.2f}",
-                         f"{s['logprobs_s']:.2f}", f"{s['train_s']:.2f}", f"{s['gen_tok_s']:,.0f}",
+            rows.append([backend, SIDE_NAMES[side] + note, _sec(s["rollout_s"]), _sec(s["generate_s"]),
+                         _sec(s["logprobs_s"]), _sec(s["train_s"]), f"{s['gen_tok_s']:,.0f}",
                          f"{s['train_tok_s']:,.0f}", f"{s['mean_len']:.1f}", _fmt(s["peak_mb"], ",.0f"), peaks, vs])
     return table(["backend", "trainer", "s/rollout", "generate s", "log-probs s", "train s", "gen tok/s",
                   "train tok/s", "mean len", "peak MiB", "peak MiB gen/lp/train", "TRL/dsrl time / dsrl/TRL mem"],
@@ -96,7 +101,7 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
-# issue 26's targets: dsrl's rollouts per second over TRL's defaults' and over TRL + DeepSpeed's
+# the GPU targets: dsrl's rollouts per second over TRL's defaults' and over TRL + DeepSpeed's
 SPEED_TARGETS = {"trl": 1.5, "trl-ds": 1.2}
 
 
@@ -121,7 +126,7 @@ def verdict_table(results: dict[str, dict[str, Any]]) -> str:
 
 def _verdict_row(label: str, d: dict[str, Any], side: str, t: dict[str, Any], target: float) -> list[str]:
     speed = t["rollout_s"] / d["rollout_s"]
-    row = [label, SIDE_NAMES[side], f"{d['rollout_s']:.2f} / {t['rollout_s']:.2f}",
+    row = [label, SIDE_NAMES[side], f"{_sec(d['rollout_s'])} / {_sec(t['rollout_s'])}",
            f"{speed:.2f}x (>= {target}x: {'met' if speed >= target else 'missed'})"]
     if side == "trl-ds":
         met = d["peak_mb"] is not None and t["peak_mb"] is not None and d["peak_mb"] <= t["peak_mb"]
@@ -130,7 +135,7 @@ def _verdict_row(label: str, d: dict[str, Any], side: str, t: dict[str, Any], ta
         row.append("-")
     if side == "trl":
         met = d["logprobs_s"] <= t["logprobs_s"]
-        row.append(f"{d['logprobs_s']:.2f} / {t['logprobs_s']:.2f} (<=: {'met' if met else 'missed'})")
+        row.append(f"{_sec(d['logprobs_s'])} / {_sec(t['logprobs_s'])} (<=: {'met' if met else 'missed'})")
     else:
         row.append("-")
     return row

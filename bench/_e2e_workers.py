@@ -90,10 +90,15 @@ def _profiled(w: Workload, rollout: int) -> bool:
 # -- the dsrl side ----------------------------------------------------------------------------------
 
 
+DEFAULT_BACKEND = "default"  # dsrl's side with a run file that names no rollout.backend (what a user gets)
+
+
 def dsrl_run_file(w: Workload, run_dir: str, offload: bool = False) -> dict[str, Any]:
     """The run file dsrl's side trains with (the ds_config TRL + DeepSpeed mirrors: :func:`trl_deepspeed_config`);
-    ``offload``: with ``dsrl.memory.offload_states``, under ZeRO-2 (ZeRO-1 with bf16 and fp32 gradient accumulation
-    runs DeepSpeed's BF16_Optimizer, which cannot offload: docs/memory.md)."""
+    with ``w.backend == "default"`` it names no ``rollout.backend``; ``offload``: with
+    ``dsrl.memory.offload_states``, under ZeRO-2 (ZeRO-1 with bf16 and fp32 gradient accumulation runs DeepSpeed's
+    BF16_Optimizer, which cannot offload: docs/memory.md)."""
+    backend = {} if w.backend == DEFAULT_BACKEND else {"backend": w.backend}
     return {
         # ZeRO-1 on one device partitions nothing; unlike ZeRO-0 it accepts bf16 with fp32 gradient accumulation
         "zero_optimization": {"stage": 2 if offload else 1},
@@ -109,7 +114,7 @@ def dsrl_run_file(w: Workload, run_dir: str, offload: bool = False) -> dict[str,
                     "progress_bar": False, "log_every": 1},
             "model": {"arch": "qwen2", "gradient_checkpointing": w.gradient_checkpointing},
             "data": {"task": "reverse", "size": 512, "max_prompt_tokens": 16},
-            "rollout": {"backend": w.backend, "max_new_tokens": w.max_new_tokens, "temperature": 1.0,
+            "rollout": {**backend, "max_new_tokens": w.max_new_tokens, "temperature": 1.0,
                         "generation_batch_size": w.prompts_per_rollout,
                         "logprob_micro_batch_size": w.micro_batch_size},
             "algorithm": {"name": "grpo"},
@@ -177,8 +182,7 @@ def run_dsrl(w: Workload, out: WorkerOutput, run_dir: str, offload: bool = False
     trainer = Trainer.from_config(run_file)
     backend = trainer.parts.backend
     if isinstance(backend, AutoRolloutBackend):  # what "auto" runs on this workload (one call per rollout)
-        picked = backend.choose(trainer.parts.plan.prompts_per_rank, w.samples_per_prompt)
-        out.data["auto_picks"] = "cb" if picked is backend.cb else "hf"
+        out.data["auto_picks"] = backend.decision(trainer.parts.plan.prompts_per_rank, w.samples_per_prompt).backend
         out.write()
     trainer.parts.phases.add_listener(DsrlWatcher(w, model, trainer, out))
     trainer.run()

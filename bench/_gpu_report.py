@@ -57,7 +57,7 @@ def auto_rows(cells: list[dict[str, Any]], device: str) -> tuple[list[list[Any]]
     Must run on the machine that measured (the rules ask it whether PyTorch's flash kernel is there)."""
     import torch
 
-    from dsrl.rollout.auto import auto_backend_name
+    from dsrl.rollout.auto import GenerationWorkload, choose_backend
     from dsrl.rollout.cb import cb_attention_implementation, is_flash
 
     rows, flags = [], []
@@ -69,7 +69,8 @@ def auto_rows(cells: list[dict[str, Any]], device: str) -> tuple[list[list[Any]]
         params = int(c["params_m"] * 1e6)
         chosen_attn = cb_attention_implementation("auto", attn, dev, dtype, params, c["C"])
         att = "varlen" if (is_flash(chosen_attn) and chosen_attn != attn) else "model"
-        backend = auto_backend_name(dev.type, attn, params, c["C"], chosen_attn)
+        new_tokens = int(meta.get("max_new_tokens") or 128)  # bench/rollout.py's default
+        backend = choose_backend(GenerationWorkload(dev.type, attn, chosen_attn, params, c["C"], new_tokens)).backend
         auto_pick = "hf" if backend == "hf" else f"cb/{att}"
         rates = {n: _median(r) for n, r in c["rates"].items() if r}
         options = {n: v for n, v in rates.items() if n == "hf" or n.startswith("cb/")}
@@ -94,7 +95,7 @@ def auto_section(cells: list[dict[str, Any]], device: str) -> str:
     if not cells:
         return "No rollout figures, so nothing to re-derive."
     rows, flags = auto_rows(cells, device)
-    text = ("What dsrl's fixed rules pick for these cells (dsrl/rollout/auto.py `auto_backend_name`, dsrl/rollout/"
+    text = ("What dsrl's fixed rules pick for these cells (dsrl/rollout/auto.py `choose_backend`, dsrl/rollout/"
             "cb.py `cb_attention_implementation`) against the fastest measured option; the rules are not changed "
             "here.\n\n" + table(["shape", "C", "device", "dtype", "attention", "backend auto picks",
                                   "cb_attention auto picks", "fastest of hf/cb", "fastest cb attention",

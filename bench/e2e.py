@@ -1,17 +1,31 @@
 """End-to-end GRPO, dsrl vs TRL's GRPOTrainer, side by side in one run: the same model, task, prompts,
 group size, mini-batch, epochs per rollout, max new tokens, optimizer and gradient checkpointing.
 
-    python bench/e2e.py                                     # CPU: the "scaled" Qwen2 shape (26.5 M), hf
+    python bench/e2e.py                                     # CPU: both workloads below
+    python bench/e2e.py --workloads short --repeats 5       # CPU: the short-completion workload alone
     python bench/e2e.py --device cuda --shape 0.5b --backends auto hf --sides dsrl trl trl-ds   # one GPU, bf16
     python bench/e2e.py --device cuda --backends auto hf --sides dsrl dsrl-offload trl trl-ds --dsrl_backends auto
 
+Workloads (``--workloads``; the CPU default runs both, a GPU ``main`` only; options given on the command line
+apply to every selected workload):
+
+- ``main``: the "scaled" Qwen2 shape (26.5 M parameters), P = 8 x G = 4, 32 new tokens (a GPU: the 0.5B shape,
+  P = 16 x G = 8, 256 new tokens), generation with ``hf`` on every side;
+- ``short``: short completions as a toy task's run file gets them: dsrl's tiny Qwen2 shape, the ``reverse`` task,
+  P = 16 x G = 4, 8 new tokens, one micro-batch per optimizer step (B = m = 16), 30 rollouts; dsrl's side twice,
+  with a run file that names no ``rollout.backend`` (``default``: what a user gets, ``auto``) and with ``hf``
+  pinned, against TRL's defaults (``generate``). A default that picked the slower backend for such calls shows
+  here as ``default`` behind ``hf``.
+
 Each (backend, side, repetition) runs in a fresh process (``--sides``: dsrl, ``trl`` = TRL's defaults,
-``trl-ds`` = TRL through its own DeepSpeed integration with dsrl's precision recipe; order rotated every
-repetition), on one device each (dsrl through DeepSpeed ZeRO-1 on a world of one; ``dsrl-offload`` = dsrl with
-``dsrl.memory.offload_states``: the training state on the host outside training). ``--backends``: ``hf`` =
+``trl-ds`` = TRL through its own DeepSpeed integration with dsrl's precision recipe; each repetition runs every
+(backend, side) in turn, their order rotated every repetition), on one device each (dsrl through DeepSpeed
+ZeRO-1 on a world of one; ``dsrl-offload`` = dsrl with ``dsrl.memory.offload_states``: the training state on the
+host outside training). ``--backends``: ``hf`` =
 transformers ``generate`` on every side; ``cb`` = transformers continuous batching on every side (dsrl
 ``rollout.backend = "cb"``, TRL ``use_transformers_continuous_batching``); ``auto`` = dsrl's
-``rollout.backend = "auto"`` (dsrl only: TRL has no such choice, its default is the ``hf`` row);
+``rollout.backend = "auto"`` (dsrl only: TRL has no such choice, its default is the ``hf`` row); ``default`` = dsrl
+with a run file that names no backend (dsrl only);
 ``vllm`` = dsrl's vLLM backend (TRL's side not wired). A *rollout* is the same unit on every side: P prompts
 x G samples generated, scored, old log-probs computed once, then E x R/B optimizer steps of B sequences in
 micro-batches of m.
@@ -68,15 +82,21 @@ from typing import Any
 
 from _common import REPO, SHAPES, free_port, report
 from _e2e_report import census_table, combine, results_table, verdict_table
-from _e2e_workers import WorkerOutput, Workload, dsrl_records, run_dsrl, run_trl
+from _e2e_workers import DEFAULT_BACKEND, WorkerOutput, Workload, dsrl_records, run_dsrl, run_trl
 
 __all__ = ["Workload", "describe", "main"]
 
 SIDES = ("dsrl", "dsrl-offload", "trl", "trl-ds")
 DSRL_SIDES = ("dsrl", "dsrl-offload")  # dsrl-offload: dsrl with dsrl.memory.offload_states (docs/memory.md)
-BACKENDS = ("auto", "hf", "cb", "vllm")
+BACKENDS = (DEFAULT_BACKEND, "auto", "hf", "cb", "vllm")
 GPU_DEFAULTS = dict(shape="0.5b", prompts_per_rollout=16, samples_per_prompt=8, mini_batch_size=64,
                     micro_batch_size=8, max_new_tokens=256, mean_len=64.0, rollouts=5)
+# name -> (what it changes in the defaults, its backends unless --backends names them)
+WORKLOADS: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "main": ({}, ["hf"]),
+    "short": (dict(shape="tiny", prompts_per_rollout=16, samples_per_prompt=4, mini_batch_size=16,
+                   micro_batch_size=16, max_new_tokens=8, mean_len=12.0, rollouts=30), [DEFAULT_BACKEND, "hf"]),
+}
 
 
 def side_skip_reason(side: str, backend: str, dsrl_backends: list[str] | None = None) -> str | None:
@@ -84,8 +104,8 @@ def side_skip_reason(side: str, backend: str, dsrl_backends: list[str] | None = 
     (default: every one given)."""
     if side in DSRL_SIDES and dsrl_backends is not None and backend not in dsrl_backends:
         return f"dsrl runs {', '.join(dsrl_backends)} in this part"
-    if side not in DSRL_SIDES and backend == "auto":
-        return "dsrl only (TRL has no auto; its default, generate, is the hf row)"
+    if side not in DSRL_SIDES and backend in ("auto", DEFAULT_BACKEND):
+        return f"dsrl only (TRL has no {backend}; its default, generate, is the hf row)"
     if side not in DSRL_SIDES and importlib.util.find_spec("trl") is None:
         return "trl is not importable (benchmark-only: pip install trl==1.16.0)"
     if side == "trl-ds" and importlib.util.find_spec("deepspeed") is None:
@@ -147,8 +167,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--shape", default=None, choices=list(SHAPES), help="default: scaled on CPU, 0.5b on GPU")
-    ap.add_argument("--backends", nargs="+", default=["hf"], choices=list(BACKENDS),
-                    help="auto = dsrl's rollout.backend auto (dsrl only)")
+    ap.add_argument("--workloads", nargs="+", default=None, choices=list(WORKLOADS),
+                    help="default: main and short on the CPU, main on a GPU (module docstring)")
+    ap.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS),
+                    help="default: each workload's own (main: hf; short: default hf); auto = dsrl's rollout.backend "
+                         "auto, default = a run file naming no backend (both dsrl only)")
     ap.add_argument("--sides", nargs="+", default=["dsrl", "trl"], choices=list(SIDES),
                     help="dsrl-offload = dsrl with memory.offload_states; trl = TRL's defaults; trl-ds = TRL through "
                          "DeepSpeed with dsrl's precision recipe")
@@ -176,24 +199,54 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    base = asdict(Workload())
-    if args.device != "cpu":
-        base.update(GPU_DEFAULTS)
-    base.update({k: v for k, v in vars(args).items() if k in base and v is not None})
-    base["gradient_checkpointing"] = args.gradient_checkpointing == "on"
-    if base["profile_dir"]:
-        os.makedirs(base["profile_dir"], exist_ok=True)
-        base["profile_dir"] = os.path.abspath(base["profile_dir"])
-    base["device"] = args.device
     gpu = args.device != "cpu"
+    names = args.workloads or (["main"] if gpu else list(WORKLOADS))
+    overrides = {k: v for k, v in vars(args).items() if k in asdict(Workload()) and v is not None}
     timeout = args.worker_timeout
-    if timeout is not None and base["profile_dir"]:
+    if timeout is not None and args.profile_dir:
         timeout += args.profile_timeout  # the profiled rollout comes after the timed ones: it cannot delay them
-    results: dict[str, dict[str, Any]] = {}
-    picks: dict[str, str] = {}
-    for backend in args.backends:
-        w = Workload(**{**base, "backend": backend})
-        runs: dict[str, list[dict[str, Any]]] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    for name in names:
+        changes, backends = WORKLOADS[name]
+        base = asdict(Workload())
+        if gpu:
+            base.update(GPU_DEFAULTS)
+        base.update(changes)
+        base.update(overrides)
+        base["gradient_checkpointing"] = args.gradient_checkpointing == "on"
+        if args.profile_dir:
+            os.makedirs(args.profile_dir, exist_ok=True)
+            base["profile_dir"] = os.path.abspath(args.profile_dir)
+        base["device"] = args.device
+        runs[name] = {"workload": base, "repeats": args.repeats, "results": {}, "auto_picks": {}}
+        run_workload(runs[name], args.backends or backends, args, timeout, lambda: _dump(args.json, runs))
+    _dump(args.json, runs)
+    bodies = []
+    for name, run in runs.items():
+        w = Workload(**run["workload"])
+        text = describe(w, args.repeats, gpu, run["auto_picks"]) + "\n\n" + results_table(run["results"], gpu)
+        verdict = verdict_table(run["results"])
+        if verdict:
+            text += "\n\nAgainst the targets (docs/benchmarks.md, issue 26):\n\n" + verdict
+        census = census_table(run["results"])
+        if census:
+            text += ("\n\nResident memory after the first rollout, by role (MiB; bench/_profile.py memory_census: "
+                     "'other' = what the allocator holds beyond the weights, gradients, master weights and "
+                     "optimizer state: activations' caches, DeepSpeed's buffers, fragmentation):\n\n" + census)
+        bodies.append(text if len(runs) == 1 else f"**Workload `{name}`.** " + text)
+    report("End to end: dsrl vs TRL GRPOTrainer (bench/e2e.py)", "\n\n".join(bodies), args.no_record)
+
+
+def run_workload(run: dict[str, Any], backends: list[str], args: argparse.Namespace, timeout: float | None,
+                 dump: Any) -> None:
+    """Every backend of one workload, each side in its own processes: repetition by repetition, every (backend,
+    side) in turn, their order rotated every repetition (no one always runs first, right after another process's
+    exit), so that the machine's load falls on all of them alike. Fills ``run["results"]`` ({backend: {side:
+    combine() or {"skipped": reason}}}) and ``run["auto_picks"]``."""
+    results, picks = run["results"], run["auto_picks"]
+    per_side: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    runnable: dict[str, list[str]] = {}
+    for backend in backends:
         results[backend] = {}
         sides = list(args.sides)
         for side in sides:
@@ -201,36 +254,24 @@ def main() -> None:
             if reason:
                 results[backend][side] = {"skipped": reason}
                 print(f"{backend} {side}: skipped ({reason})", flush=True)
-        runnable = [s for s in sides if s not in results[backend]]
-        for rep in range(args.repeats):
-            order = runnable[rep % len(runnable):] + runnable[:rep % len(runnable)] if runnable else []
-            for side in order:
-                res = run_worker(side, w, timeout)
-                runs.setdefault(side, []).append(res)
-                results[backend][side] = combine(runs[side], w)
-                if res.get("auto_picks"):
-                    picks[backend] = res["auto_picks"]
-                summary = results[backend][side].get("summary")
-                print(f"{backend} rep {rep} {side}: {res['status']} in {res['seconds']:.0f} s, "
-                      f"{len(res['records'])} rollouts; {summary}", flush=True)
-                if res["status"] == "failed":
-                    print(res["error"][-2000:], flush=True)
-                if args.json:
-                    _dump(args.json, base, args, results, picks)
-        results[backend] = {s: results[backend][s] for s in sides}
-    if args.json:
-        _dump(args.json, base, args, results, picks)
-    w = Workload(**base)
-    body = describe(w, args.repeats, gpu, picks) + "\n\n" + results_table(results, gpu)
-    verdict = verdict_table(results)
-    if verdict:
-        body += "\n\nAgainst the targets (docs/benchmarks.md, issue 26):\n\n" + verdict
-    census = census_table(results)
-    if census:
-        body += ("\n\nResident memory after the first rollout, by role (MiB; bench/_profile.py memory_census: "
-                 "'other' = what the allocator holds beyond the weights, gradients, master weights and "
-                 "optimizer state: activations' caches, DeepSpeed's buffers, fragmentation):\n\n" + census)
-    report("End to end: dsrl vs TRL GRPOTrainer (bench/e2e.py)", body, args.no_record)
+        runnable[backend] = [s for s in args.sides if s not in results[backend]]
+    jobs = [(backend, side) for backend in backends for side in runnable[backend]]
+    for rep in range(args.repeats):
+        for backend, side in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)] if jobs else []:
+            w = Workload(**{**run["workload"], "backend": backend})
+            res = run_worker(side, w, timeout)
+            per_side.setdefault((backend, side), []).append(res)
+            results[backend][side] = combine(per_side[(backend, side)], w)
+            if res.get("auto_picks"):
+                picks[backend] = res["auto_picks"]
+            summary = results[backend][side].get("summary")
+            print(f"{w.shape} {backend} rep {rep} {side}: {res['status']} in {res['seconds']:.0f} s, "
+                  f"{len(res['records'])} rollouts; {summary}", flush=True)
+            if res["status"] == "failed":
+                print(res["error"][-2000:], flush=True)
+            dump()
+    for backend in backends:
+        results[backend] = {s: results[backend][s] for s in args.sides}
 
 
 def describe(w: Workload, repeats: int, gpu: bool, picks: dict[str, str] | None = None) -> str:
@@ -264,9 +305,14 @@ def describe(w: Workload, repeats: int, gpu: bool, picks: dict[str, str] | None 
             + auto)
 
 
-def _dump(path: str, base: dict[str, Any], args: Any, results: dict[str, Any], picks: dict[str, str]) -> None:
+def _dump(path: str | None, runs: dict[str, dict[str, Any]]) -> None:
+    """The results as JSON: one workload as {"workload", "repeats", "results", "auto_picks"} (what bench/gpu.py
+    reads), several as {"workloads": {name: that}}."""
+    if not path:
+        return
+    data = next(iter(runs.values())) if len(runs) == 1 else {"workloads": runs}
     with open(path + ".tmp", "w") as f:
-        json.dump({"workload": base, "repeats": args.repeats, "results": results, "auto_picks": picks}, f, indent=1)
+        json.dump(data, f, indent=1)
     os.replace(path + ".tmp", path)
 
 

@@ -22,6 +22,9 @@ Parts, in the order they run (the verdict first, so a short loan still answers i
 - rollout-128 (5 min): bench/rollout.py, hf vs cb under dsrl's packed attention and under the dense mask,
   0.5B shape, bf16, C = 128, N = 512, geometric lengths of mean 64, 256 new tokens;
 - e2e-hf (3 min): dsrl with ``hf`` end to end (the verdict's TRL rows are its comparison);
+- auto-grid (6 min): bench/auto_grid.py --device cuda, hf vs cb in the training loop (dsrl's Trainer, 0.5B shape,
+  bf16) at C = 32, 128, 512 with 8 and 256 new tokens, and what ``rollout.backend = "auto"`` picks in each cell:
+  the figures that set the rule's GPU constants (dsrl/rollout/auto.py);
 - e2e-cb (7 min): the end to end with continuous batching on every side;
 - rollout-256 (5 min): as rollout-128 at C = 256;
 - logprobs (3 min): bench/logprobs.py --device cuda, the chunked log-probs' memory and time;
@@ -63,7 +66,7 @@ from _common import BENCH_OUT_ENV, REPO, machine, record, table
 
 BUDGET_S = 25 * 60
 PART_LIMIT_S = 8 * 60
-SMOKE_BUDGET_S = 840  # with TRL importable: 4 + 1 + 3 end-to-end processes on a shared 2-core machine
+SMOKE_BUDGET_S = 900  # with TRL importable: 4 + 1 + 3 end-to-end processes and 2 grid cells on 2 shared cores
 SMOKE_PART_LIMIT_S = 240  # the verdict part runs four processes (two where TRL is absent)
 SMOKE_EXPECTED_S = 10
 STATE_DIR = REPO / "runs" / "gpu_bench"
@@ -114,15 +117,17 @@ ROLLOUT_SMOKE = ["--device", "cpu", "--shapes", "tiny32", "--sequences", "32", "
 E2E_ROLLOUTS = 5  # per process: the first carries warm-up costs, the medians are over the other four
 E2E_SIDE_S = 112  # per process of the verdict part: four of them (start-ups included) fit in E2E_BOUND_S
 E2E_BOUND_S = 8 * 60
-E2E_GPU = ["--device", "cuda", "--repeats", "1", "--rollouts", str(E2E_ROLLOUTS), "--gradient_checkpointing", "on",
-           "--no-record"]
-E2E_SMOKE = ["--device", "cpu", "--shape", "tiny", "--prompts_per_rollout", "2", "--samples_per_prompt", "2",
-             "--mini_batch_size", "2", "--micro_batch_size", "1", "--max_new_tokens", "4", "--rollouts", "2",
+E2E_GPU = ["--device", "cuda", "--workloads", "main", "--repeats", "1", "--rollouts", str(E2E_ROLLOUTS),
+           "--gradient_checkpointing", "on", "--no-record"]
+E2E_SMOKE = ["--device", "cpu", "--workloads", "main", "--shape", "tiny", "--prompts_per_rollout", "2",
+             "--samples_per_prompt", "2", "--mini_batch_size", "2", "--micro_batch_size", "1", "--max_new_tokens", "4",
+             "--rollouts", "2",
              "--repeats", "1", "--gradient_checkpointing", "on", "--profile_skip", "1", "--profile_window", "2",
              "--worker_timeout", "90", "--no-record"]
 ALL_SIDES = ["--sides", "dsrl", "trl", "trl-ds"]
 # the verdict: dsrl `auto` with dsrl.memory.offload_states off and on, TRL's two sides under their default generate
 VERDICT_SIDES = ["--sides", "dsrl", "dsrl-offload", "trl", "trl-ds", "--dsrl_backends", "auto"]
+AUTO_GRID_S = 330  # the auto-grid part's one process (its cells share one start-up), within the part's bound
 
 
 def _rollout(name: str, gpu_c: list[int], smoke_c: list[int], backends: list[str]) -> tuple[Callable, Callable]:
@@ -178,6 +183,11 @@ def parts(profile: bool = False) -> list[Part]:
         Part("e2e", "End to end vs TRL: the verdict", e2e, e2es, E2E_BOUND_S, 4 * E2E_SIDE_S, "e2e"),
         Part("rollout-128", "Rollout tokens/s, C = 128", r128, r128s, 300, 150, "rollout"),
         Part("e2e-hf", "End to end, dsrl with generate", e_hf, e_hfs, 180, 130, "e2e"),
+        Part("auto-grid", "The auto backend in the training loop",
+             lambda ctx: ["bench/auto_grid.py", "--device", "cuda", "--cell_timeout", str(AUTO_GRID_S), "--json",
+                          ctx.json("auto-grid"), "--no-record"],
+             lambda ctx: ["bench/auto_grid.py", "--smoke", "--json", ctx.json("auto-grid"), "--no-record"],
+             AUTO_GRID_S + 30, 240),
         Part("e2e-cb", "End to end vs TRL, continuous batching", e_cb, e_cbs, 420, 270, "e2e",
              smoke_note="dsrl only in the smoke: TRL's continuous batching took ~8 s per 16 tokens and ~11 GB of "
                         "host memory on the CPU"),

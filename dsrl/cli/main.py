@@ -76,6 +76,7 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
         "gradient_clipping": cfg.ds_config.get("gradient_clipping", 1.0),
     }
     extra.update(_expert_layout(cfg, on_gpu))
+    extra.update(_rollout_backend(cfg, plan, on_gpu, extra))
     if lengths is not None and plan.token_budget_mode:
         from dsrl.core.partition import expected_token_budget_stats
 
@@ -97,6 +98,31 @@ def _expert_layout(cfg: Config, on_gpu: bool) -> dict[str, Any]:
             "expert_parallel_size": ep, "experts_per_rank": layout.experts // ep,
             "routing_replay": cfg.dsrl.model.routing_replay,
             "router_aux_loss_coef": cfg.dsrl.model.router_aux_loss_coef}
+
+
+def _rollout_backend(cfg: Config, plan: BatchPlan, on_gpu: bool, layout: dict[str, Any]) -> dict[str, Any]:
+    """The backend the run will generate with and why: ``rollout.backend`` when it names one, else what ``auto``
+    picks (dsrl.rollout.auto) for the workload the generating ranks will have (calls of P / D prompts), counted
+    from the model's config; where that config cannot be read here, the choice is left to the run."""
+    from dsrl.config.names import AUTO_BACKEND
+
+    backend = cfg.dsrl.rollout.backend
+    if backend != AUTO_BACKEND:
+        return {"rollout_backend": backend, "rollout_backend_reason": "rollout.backend names it",
+                "rollout_workload": None}
+    from dsrl.rl.policy.rollout_side import RolloutSide, RolloutSideSettings
+    from dsrl.rollout.auto import choose_backend
+
+    try:
+        workload = RolloutSide(RolloutSideSettings.of(cfg.dsrl), on_gpu).planned_workload(
+            plan.prompts_per_rank, layout["tensor_parallel_size"], layout.get("expert_parallel_size", 1))
+    except (ConfigError, OSError, ValueError, ImportError) as e:
+        first = (str(e).splitlines() or [""])[0][:200]
+        return {"rollout_backend": AUTO_BACKEND, "rollout_workload": None,
+                "rollout_backend_reason": f"chosen when the run starts: the model cannot be described here ({first})"}
+    choice = choose_backend(workload)
+    return {"rollout_backend": choice.backend, "rollout_backend_reason": f"auto: {choice.reason}",
+            "rollout_workload": workload.describe()}
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
@@ -160,6 +186,8 @@ def cmd_plan(argv: list[str]) -> int:
         ("DeepSpeed train_batch_size", str(ds["train_batch_size"])),
         ("DeepSpeed train_micro_batch_size_per_gpu", str(ds["train_micro_batch_size_per_gpu"] or "varies")),
         ("DeepSpeed gradient_accumulation_steps", str(ds["gradient_accumulation_steps"] or "varies")),
+        ("rollout backend", f"{extra['rollout_backend']} ({extra['rollout_backend_reason']})"),
+        *([("generation workload", extra["rollout_workload"])] if extra["rollout_workload"] else []),
         ("LR schedule", extra["scheduler"]),
         ("LR at first / last step", f"{extra['lr_first_step']:.4g} / {extra['lr_last_step']:.4g} "
                                     f"({extra['lr_unit']})"),

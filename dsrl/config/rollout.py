@@ -23,9 +23,10 @@ class RolloutConfig(Section):
     generator_ranks: int = setting(
         0, "disaggregated: how many ranks (the job's last ones) generate; 0 when colocated", "ranks", ge=0)
     backend: RolloutBackendName = setting(
-        AUTO_BACKEND, "generation backend: auto (per call cb or hf, whichever was measured faster there: cb with "
-        "packed attention on a GPU from 128 concurrent sequences, docs/rollout.md), hf (transformers generate), cb "
-        "(transformers continuous batching, one manager and its CUDA graphs kept for the run), vllm")
+        AUTO_BACKEND, "generation backend: auto (cb or hf for the run's workload, whichever was measured faster "
+        "in the training loop: the device, attention, model size, parallel layout, concurrent sequences and new "
+        "tokens per call decide; dsrl plan prints the choice and why; docs/rollout.md), hf (transformers generate), "
+        "cb (transformers continuous batching, one manager and its CUDA graphs kept for the run), vllm")
     cb_attention: Literal["auto", "model", "varlen"] = setting(
         "auto", "attention inside continuous batching (cb): model (the model's attn_implementation; sdpa/eager "
         "then attend through a dense mask), varlen (dsrl's packed attention: PyTorch's own flash kernel on a GPU "

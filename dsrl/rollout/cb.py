@@ -211,15 +211,20 @@ class CallBounds:
     sequences decoding at once (min(prompts per rank, ``generation_batch_size``) * G), and every sequence (prompt
     and completion; every turn of a trajectory) at most ``sequence_tokens`` tokens. With bounds, every call of the
     run has one cache geometry and one attention, so one manager (its paged cache and CUDA graphs) serves every
-    rollout and every turn; a call with more sequences queues them."""
+    rollout and every turn; a call with more sequences queues them. ``new_tokens`` (the most tokens one call adds to
+    a sequence; None: ``rollout.max_new_tokens``) and ``calls_per_rollout`` (generate calls per rollout at most)
+    complete the workload ``rollout.backend = "auto"`` decides from (:mod:`dsrl.rollout.auto`)."""
 
     sequences: int
     sequence_tokens: int
+    new_tokens: int | None = None
+    calls_per_rollout: int = 1
 
     @classmethod
     def of_run(cls, prompts_per_rank: int, samples_per_prompt: int, generation_batch_size: int,
-               sequence_tokens: int) -> CallBounds:
-        return cls(concurrency(prompts_per_rank, samples_per_prompt, generation_batch_size), sequence_tokens)
+               sequence_tokens: int, new_tokens: int | None = None, calls_per_rollout: int = 1) -> CallBounds:
+        return cls(concurrency(prompts_per_rank, samples_per_prompt, generation_batch_size), sequence_tokens,
+                   new_tokens, calls_per_rollout)
 
 
 class ContinuousBatchingBackend(RolloutBackend):
@@ -257,6 +262,10 @@ class ContinuousBatchingBackend(RolloutBackend):
     def returns_routes(self) -> bool:
         return self.routing is not None
 
+    def model_attention(self) -> str | None:
+        """The model's own attention implementation (not the packed one a call sets while it runs)."""
+        return self._attn if self._session is not None else self.module.config._attn_implementation
+
     def attention(self, num_prompts: int, samples_per_prompt: int) -> str | None:
         """The attention implementation a call runs under (:func:`cb_attention_implementation`), for the largest
         call of the run when the backend has :class:`CallBounds` (so every call runs under the same one)."""
@@ -265,7 +274,7 @@ class ContinuousBatchingBackend(RolloutBackend):
         c = concurrency(num_prompts, samples_per_prompt, self.cfg.generation_batch_size)
         if self.bounds is not None:
             c = self.bounds.sequences
-        model_attn = self._attn if self._session is not None else self.module.config._attn_implementation
+        model_attn = self.model_attention()
         return cb_attention_implementation(
             self.cfg.cb_attention, model_attn, self._hf.device,
             next(self.module.parameters()).dtype, self._num_params, c)

@@ -2,10 +2,11 @@
 noticing): ``python bench/gpu.py --smoke --no-record --profile`` runs every GPU benchmark part (the verdict part
 first: bench/e2e.py with dsrl's ``auto`` side, memory.offload_states off and on, read from dsrl's own metrics rows,
 and TRL's sides where trl imports; dsrl's ``hf`` side in a part of its own; bench/rollout.py with both cb
-attentions, bench/e2e.py with continuous batching and with its profiled
-rollout, bench/logprobs.py, bench/overhead.py, bench/throughput.py, bench/optim.py, bench/mismatch.py) on tiny
-shapes on the CPU, each in its own bounded process, and must settle every part as run or skipped with a reason,
-without touching docs/benchmarks.md; bench/lora.py's smallest configuration runs too. Timing is not checked."""
+attentions, bench/e2e.py with continuous batching and with its profiled rollout, bench/auto_grid.py's hf-vs-cb
+cells in the training loop, bench/logprobs.py, bench/overhead.py, bench/throughput.py, bench/optim.py,
+bench/mismatch.py) on tiny shapes on the CPU, each in its own bounded process, and must settle every part as run or
+skipped with a reason, without touching docs/benchmarks.md; bench/lora.py's smallest configuration and
+bench/auto_grid.py's smoke cells run too. Timing is not checked."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def run(args: list[str], timeout: float = 600, **extra_env: str) -> subprocess.C
 def test_gpu_bench_smoke_runs_every_part(tmp_path):
     docs = REPO / "docs" / "benchmarks.md"
     before = hashlib.sha256(docs.read_bytes()).hexdigest()
-    run(["bench/gpu.py", "--smoke", "--no-record", "--profile", "--workdir", str(tmp_path)], timeout=900)
+    run(["bench/gpu.py", "--smoke", "--no-record", "--profile", "--workdir", str(tmp_path)], timeout=960)
     assert hashlib.sha256(docs.read_bytes()).hexdigest() == before, "--smoke must not write docs/benchmarks.md"
     state = json.loads((tmp_path / "state.json").read_text())
     parts = state["parts"]
@@ -72,12 +73,29 @@ def test_gpu_bench_smoke_runs_every_part(tmp_path):
     assert {"generate", "logprobs", "train"} == set(profiled["profile"]["phases"])
     assert profiled["profile"]["steps"]["traced"] > 0  # the generate window was traced
     assert parts["e2e-cb"]["data"]["results"]["cb"]["dsrl"]["summary"]["rollouts"] >= 1
+    assert "auto/faster" in parts["auto-grid"]["data"]["body"]  # the grid's table, from its report() body
     section = (tmp_path / "section.md").read_text()
     for heading in ("#### Rollout tokens/s", "#### `auto` choices re-derived", "#### End to end vs TRL GRPOTrainer",
                     "#### Where the time and memory go", "#### Chunked log-prob memory",
                     "#### Optimizer step", "#### Token-budget training throughput",
                     "#### Memory: dsrl plan against the measured peaks"):
         assert heading in section, heading
+
+
+def test_auto_grid_smoke(tmp_path):
+    """bench/auto_grid.py's smoke cells: dsrl's Trainer alternates hf and cb on its auto backend as scheduled, every
+    timed pair has both backends' phase_generate_s from the metrics rows and CPU seconds, and auto's pick and reason
+    come from the rule (no timing is checked)."""
+    out = tmp_path / "grid.json"
+    run(["bench/auto_grid.py", "--smoke", "--no-record", "--json", str(out)], timeout=300)
+    results = json.loads(out.read_text())["results"]
+    assert [(r["cell"]["concurrency"], r["cell"]["max_new_tokens"]) for r in results] == [(8, 8), (16, 16)]
+    for r in results:
+        assert r["status"] == "ok", r.get("error")
+        assert len(r["pairs"]) == len(r["cpu_pairs"]) == r["cell"]["pairs"] >= 1
+        assert all(p["hf"] > 0 and p["cb"] > 0 for p in r["pairs"] + r["cpu_pairs"])
+        assert r["auto"] == "hf" and "short calls" in r["reason"]  # tiny cells, 8 and 16 new tokens
+        assert r["parameters"] > 0
 
 
 def test_a_part_past_its_bound_is_killed_with_its_children(tmp_path):

@@ -17,16 +17,9 @@ import torch
 from dsrl.config import ModelConfig, RolloutConfig
 from dsrl.rl.policy.model import build_model
 from dsrl.rollout import make_backend
-from dsrl.rollout.auto import (
-    CPU_SMALL_MODEL_MAX_CB_CONCURRENCY,
-    CPU_SMALL_MODEL_PARAMETERS,
-    GPU_CB_MIN_CONCURRENCY,
-    AutoRolloutBackend,
-    auto_backend_name,
-)
-from dsrl.rollout.cb import DENSE_MASK_BUDGET_BYTES, ContinuousBatchingBackend, cache_geometry
+from dsrl.rollout.auto import CPU_SMALL_MODEL_MAX_CB_CONCURRENCY, CPU_SMALL_MODEL_PARAMETERS, AutoRolloutBackend
+from dsrl.rollout.cb import DENSE_MASK_BUDGET_BYTES, CallBounds, ContinuousBatchingBackend, cache_geometry
 from dsrl.rollout.hf import HFRolloutBackend
-from dsrl.rollout.varlen_attention import VARLEN_ATTENTION
 
 PAD, BOS, EOS = 0, 1, 2
 TOK = types.SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
@@ -192,33 +185,26 @@ def test_cache_geometry_bounds():
 
 
 def test_make_backend_cb_and_auto():
-    """auto: cb with flash attention; on the CPU cb, except hf for a model under 1 M parameters at more
-    than 256 concurrent sequences when cb would attend through the dense mask (rollout.cb_attention =
-    "model"; its default packs them there); hf for sdpa/eager on an accelerator. Chosen per call with
-    C = min(prompts, generation_batch_size) * G."""
+    """make_backend builds cb and auto; auto runs the backend its rule picks for the call (the rule itself:
+    tests/unit/test_auto_backend.py), cb's completions when it picks cb, and hf where continuous batching is
+    unavailable."""
     model = tiny()
     assert isinstance(make_backend(RolloutConfig(backend="cb"), model, TOK), ContinuousBatchingBackend)
-    cfg = rollout(backend="auto", generation_batch_size=16)
+    cfg = rollout(backend="auto", generation_batch_size=16, max_new_tokens=64)
     auto = make_backend(cfg, model, TOK)
     assert isinstance(auto, AutoRolloutBackend) and auto.num_params < CPU_SMALL_MODEL_PARAMETERS
-    assert auto.choose(40, 16) is auto.cb and auto.choose(40, 17) is auto.cb and auto.choose(0, 8) is auto.cb
-    dense = make_backend(rollout(backend="auto", generation_batch_size=16, cb_attention="model"), model, TOK)
-    assert dense.choose(40, 16) is dense.cb and dense.choose(40, 17) is dense.hf
-    big, small, limit = CPU_SMALL_MODEL_PARAMETERS, CPU_SMALL_MODEL_PARAMETERS - 1, CPU_SMALL_MODEL_MAX_CB_CONCURRENCY
-    assert auto_backend_name("cpu", "sdpa", small, limit) == "cb"
-    assert auto_backend_name("cpu", "eager", small, limit + 1) == "hf"
-    assert auto_backend_name("cpu", "eager", small, limit + 1, cb_attention=VARLEN_ATTENTION) == "cb"
-    gpu_c = GPU_CB_MIN_CONCURRENCY  # packed attention on a GPU from C = 128 (H200: 13.7x generate there)
-    assert auto_backend_name("cuda", "sdpa", big, gpu_c, cb_attention=VARLEN_ATTENTION) == "cb"
-    assert auto_backend_name("cuda", "sdpa", big, gpu_c - 1, cb_attention=VARLEN_ATTENTION) == "hf"  # not measured
-    assert auto_backend_name("cuda", "sdpa", big, 512) == "hf"  # the dense mask on a GPU: measured slower
-    assert auto_backend_name("cpu", "sdpa", big, 4096) == "cb"
-    assert auto_backend_name("cuda", "flash_attention_2", small, 4096) == "cb"
-    assert auto_backend_name("cuda", "sdpa", big, 8) == "hf"
-    assert auto_backend_name("cpu", "sdpa", big, 64, tensor_parallel=2) == "hf"  # tensor peers step together
-    assert auto_backend_name("cuda", "flash_attention_2", big, 4096, tensor_parallel=2) == "hf"
-    assert as_tuples(auto.generate(PROMPTS, 2, seed=3)) == as_tuples(
-        ContinuousBatchingBackend(model, TOK, cfg).generate(PROMPTS, 2, seed=3))
+    assert auto.choose(40, 16) is auto.cb and auto.decision(40, 16).backend == "cb"
+    dense = make_backend(rollout(backend="auto", generation_batch_size=16, cb_attention="model", max_new_tokens=64),
+                         model, TOK)
+    limit = CPU_SMALL_MODEL_MAX_CB_CONCURRENCY  # the dense mask on a small model above this C: hf
+    assert dense.choose(40, limit // 16) is dense.cb and dense.choose(40, limit // 16 + 1) is dense.hf
+    short = make_backend(rollout(backend="auto", generation_batch_size=16, max_new_tokens=8), model, TOK)
+    assert short.choose(40, 16) is short.hf  # a short call on a tiny model
+    bounds = CallBounds(sequences=256, sequence_tokens=80)  # the run's largest call decides for every call
+    bounded = make_backend(cfg, model, TOK, bounds=bounds)
+    assert bounded.choose(len(PROMPTS), 2) is bounded.cb
+    assert as_tuples(bounded.generate(PROMPTS, 2, seed=3)) == as_tuples(
+        ContinuousBatchingBackend(model, TOK, cfg, bounds=bounds).generate(PROMPTS, 2, seed=3))
     not_hf = AutoRolloutBackend(torch.nn.Linear(2, 2), TOK, cfg)  # no continuous batching: always hf
     assert not_hf.cb is None and not_hf.choose(1, 1) is not_hf.hf
 
@@ -264,8 +250,6 @@ def test_a_kept_manager_sees_every_optimizer_step(planted, monkeypatch):
     so a prefix cached under earlier weights would be reused if the kept cache were not emptied at each call (the
     planted case keeps it and must fail). With :class:`CallBounds` every call has one geometry, whatever its
     number of prompts or their lengths."""
-    from dsrl.rollout.cb import CallBounds
-
     model = tiny("qwen2", tiny={"tie_word_embeddings": False})
     with torch.no_grad():
         model.lm_head.weight[EOS] *= 4.0

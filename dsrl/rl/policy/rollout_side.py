@@ -17,13 +17,16 @@ their side here, so the three cannot drift apart. Invariants of :class:`RolloutS
 - :meth:`RolloutSide.check` refuses, before any work, what the rank that generates cannot serve (vLLM missing, a
   head size or architecture vLLM lacks), with the colocated path's sentence on every placement;
 - the backend's arguments (vLLM's ``max_model_len``, G and seed; continuous batching's bounds of the run's largest
-  call) are computed once, here (:meth:`RolloutSide.backend_kwargs`), for colocated and generator ranks alike.
+  call, which ``rollout.backend = "auto"`` also decides from) are computed once, here
+  (:meth:`RolloutSide.backend_kwargs`), for colocated and generator ranks alike, and for ``dsrl plan``
+  (:meth:`RolloutSide.planned_workload`: what ``auto`` will decide from, out of the run file and the model's
+  config alone).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,12 +37,17 @@ from dsrl.core.routes import MoELayout
 from dsrl.rollout import RolloutBackend, make_backend
 from dsrl.rollout.policy import unwrap
 
+if TYPE_CHECKING:
+    from dsrl.rollout.auto import GenerationWorkload
+    from dsrl.rollout.cb import CallBounds
+
 
 @dataclass(frozen=True)
 class RolloutSideSettings:
     """What of the run file the rollout side reads: its sections ``model``, ``rollout`` and ``memory`` (vLLM's sleep
-    level, the weight-sync buckets), G (``batch.samples_per_prompt``), the run's seed and the longest sequence
-    generation makes (``DsrlConfig.max_generation_tokens``)."""
+    level, the weight-sync buckets), G (``batch.samples_per_prompt``), the run's seed, the longest sequence
+    generation makes (``DsrlConfig.max_generation_tokens``), and the shape of a rollout's calls that continuous
+    batching's bounds and ``auto`` read (new tokens per call, calls per rollout)."""
 
     model: ModelConfig
     rollout: RolloutConfig
@@ -47,10 +55,19 @@ class RolloutSideSettings:
     samples_per_prompt: int
     seed: int
     max_generation_tokens: int
+    new_tokens_per_call: int  # rollout.max_new_tokens; with an environment per model turn, within the trajectory
+    calls_per_rollout: int  # generate calls per rollout at most: model turns (max_turns) x dynamic-sampling rounds
 
     @classmethod
     def of(cls, d: DsrlConfig) -> RolloutSideSettings:
-        return cls(d.model, d.rollout, d.memory, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens)
+        from dsrl.config.names import ALGORITHM_DEFAULTS
+
+        r, a = d.rollout, d.algorithm
+        new_tokens = min(r.max_new_tokens, r.max_trajectory_tokens) if d.multi_turn else r.max_new_tokens
+        dynamic = ALGORITHM_DEFAULTS[a.name]["dynamic_sampling"] if a.dynamic_sampling is None else a.dynamic_sampling
+        calls = (r.max_turns if d.multi_turn else 1) * (a.max_sampling_rounds if dynamic else 1)
+        return cls(d.model, d.rollout, d.memory, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens,
+                   new_tokens, calls)
 
 
 class RolloutSide:
@@ -115,19 +132,64 @@ class RolloutSide:
 
     def backend_kwargs(self, prompts_per_call: int) -> dict[str, Any]:
         """What a backend needs beyond the rollout settings: a vLLM engine its sizes and seed; continuous batching
-        (``cb``, ``auto``) the run's largest call (:class:`dsrl.rollout.cb.CallBounds`: ``prompts_per_call`` prompts
-        of G samples, each sequence at most ``max_generation_tokens``), so one manager serves every rollout."""
+        (``cb``, ``auto``) the run's largest call (:meth:`call_bounds`), so one manager serves every rollout."""
         st = self.settings
         if st.rollout.backend != VLLM_BACKEND:
-            from dsrl.rollout.cb import CallBounds
-
-            return {"bounds": CallBounds.of_run(prompts_per_call, st.samples_per_prompt,
-                                                st.rollout.generation_batch_size, st.max_generation_tokens)}
+            return {"bounds": self.call_bounds(prompts_per_call)}
         from dsrl.core.buckets import bucket_bytes
 
         return {"max_model_len": st.max_generation_tokens, "samples_per_prompt": st.samples_per_prompt,
                 "seed": st.seed, "sleep_level": st.memory.vllm_sleep_level,
                 "bucket_bytes": bucket_bytes(st.memory.weight_sync_bucket_mib)}
+
+    def call_bounds(self, prompts_per_call: int) -> CallBounds:
+        """The run's largest call (:class:`dsrl.rollout.cb.CallBounds`): ``prompts_per_call`` prompts of G samples,
+        each sequence at most ``max_generation_tokens``, at most ``new_tokens_per_call`` new tokens per call and
+        ``calls_per_rollout`` calls per rollout (:class:`RolloutSideSettings`)."""
+        from dsrl.rollout.cb import CallBounds
+
+        st = self.settings
+        return CallBounds.of_run(prompts_per_call, st.samples_per_prompt, st.rollout.generation_batch_size,
+                                 st.max_generation_tokens, new_tokens=st.new_tokens_per_call,
+                                 calls_per_rollout=st.calls_per_rollout)
+
+    def planned_workload(self, prompts_per_call: int, tensor_parallel: int = 1,
+                         expert_parallel: int = 1) -> GenerationWorkload:
+        """The generation workload ``rollout.backend = "auto"`` will decide from
+        (:class:`dsrl.rollout.auto.GenerationWorkload`), built as the backend builds it at run time but without
+        the model's weights: its parameters are counted on the meta device (a checkpoint's config.json is read,
+        nothing else; LoRA adapters are left out of the count). Raises what reading the model's config raises."""
+        from dsrl.rl.policy.model import resolve_dtype
+        from dsrl.rollout.auto import generation_workload
+
+        st = self.settings
+        parameters, attn = self._model_facts()
+        device = torch.device("cuda" if self.on_gpu else "cpu")
+        return generation_workload(device, resolve_dtype(st.model.dtype, self.on_gpu), attn, parameters, st.rollout,
+                                   self.call_bounds(prompts_per_call), tensor_parallel, expert_parallel)
+
+    def _model_facts(self) -> tuple[int, str | None]:
+        """(parameters, attention implementation) of the policy as :meth:`build_model` would build it, counted on
+        the meta device (no weights read or allocated)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from dsrl.rl.policy.model import tiny_config
+        from dsrl.rollout.cb import num_parameters
+
+        m, tok = self.settings.model, self.tokenizer
+        if m.path:
+            config = AutoConfig.from_pretrained(m.path, local_files_only=True)
+        else:
+            config = tiny_config(m.arch, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, m.tiny)
+        attn = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, **attn)
+        except ImportError:  # e.g. flash-attn named but not installed on this machine: the run would refuse it
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            return num_parameters(model), m.attn_implementation
+        return num_parameters(model), model.config._attn_implementation
 
     def backend(self, policy: PolicyForwards | torch.nn.Module, prompts_per_call: int) -> RolloutBackend:
         """The run's ``rollout.backend`` generating with ``policy`` (an RLEngine, or this side's model), whose
