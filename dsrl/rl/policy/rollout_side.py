@@ -38,18 +38,21 @@ from dsrl.rollout.policy import unwrap
 @dataclass(frozen=True)
 class RolloutSideSettings:
     """What of the run file the rollout side reads: its sections ``model`` and ``rollout``, G
-    (``batch.samples_per_prompt``), the run's seed and the longest sequence generation makes
-    (``DsrlConfig.max_generation_tokens``)."""
+    (``batch.samples_per_prompt``), the run's seed, the longest sequence generation makes
+    (``DsrlConfig.max_generation_tokens``) and the longest an evaluation's makes
+    (``DsrlConfig.max_eval_generation_tokens``: a vLLM engine is sized for both)."""
 
     model: ModelConfig
     rollout: RolloutConfig
     samples_per_prompt: int
     seed: int
     max_generation_tokens: int
+    max_eval_generation_tokens: int = 0
 
     @classmethod
     def of(cls, d: DsrlConfig) -> RolloutSideSettings:
-        return cls(d.model, d.rollout, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens)
+        return cls(d.model, d.rollout, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens,
+                   d.max_eval_generation_tokens)
 
 
 class RolloutSide:
@@ -122,8 +125,8 @@ class RolloutSide:
 
             return {"bounds": CallBounds.of_run(prompts_per_call, st.samples_per_prompt,
                                                 st.rollout.generation_batch_size, st.max_generation_tokens)}
-        return {"max_model_len": st.max_generation_tokens, "samples_per_prompt": st.samples_per_prompt,
-                "seed": st.seed}
+        return {"max_model_len": max(st.max_generation_tokens, st.max_eval_generation_tokens),
+                "samples_per_prompt": st.samples_per_prompt, "seed": st.seed}
 
     def backend(self, policy: PolicyForwards | torch.nn.Module, prompts_per_call: int) -> RolloutBackend:
         """The run's ``rollout.backend`` generating with ``policy`` (an RLEngine, or this side's model), whose
