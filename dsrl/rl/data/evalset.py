@@ -22,7 +22,7 @@ Held-out prompts of a built-in task (the training prompts are ``make_prompts(dat
   (logged when the run starts);
 - a task with too many prompts to list (``calculator``: 900 x 900 products) draws :data:`TASK_DRAWS` prompts (or
   ``data.size`` when smaller) from a seed of its own and drops any that is a training prompt or drawn twice;
-- at most ``data.size`` prompts either way (then ``eval.max_prompts``).
+- ``eval.max_prompts`` then keeps the first ones.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def held_out(data_cfg: DataConfig, seed: int, train_records: list[dict[str, Any]
 
     name = data_cfg.task
     assert name is not None, "held_out: prompts come from a dataset"
-    task, limit = get_task(name), data_cfg.size
+    task = get_task(name)
     seen = {r["prompt"] for r in train_records}
     order = random.Random(derived_seed(seed, HELD_OUT_SEED_TAG))
     space = task.prompt_space()
@@ -164,17 +164,17 @@ def held_out(data_cfg: DataConfig, seed: int, train_records: list[dict[str, Any]
         unseen = [r for r in space if r["prompt"] not in seen]
         order.shuffle(unseen)
         if len(unseen) >= MIN_HELD_OUT:
-            return EvalPrompts(unseen[:limit], f"{min(len(unseen), limit)} held-out prompts of the built-in task "
-                                               f"{name!r} (none of its {len(seen)} distinct training prompts)")
+            return EvalPrompts(unseen, f"{len(unseen)} held-out prompts of the built-in task {name!r} (none of its "
+                                       f"{len(seen)} distinct training prompts)")
         whole = list(space)
         order.shuffle(whole)
         why = (f"the built-in task {name!r} has {len(space)} distinct prompts and its {len(train_records)} training "
                f"prompts (dsrl.data.size) hold {len(seen)} of them, leaving {len(unseen)} (fewer than {MIN_HELD_OUT}) "
                "to hold out")
-        return EvalPrompts(whole[:limit], f"{min(len(whole), limit)} prompts of the built-in task {name!r}, the "
-                                          "training prompts among them", overlap=why)
+        return EvalPrompts(whole, f"{len(whole)} prompts of the built-in task {name!r}, the training prompts among "
+                                  "them", overlap=why)
     records, drawn = [], set(seen)
-    for r in task.make_prompts(min(limit, TASK_DRAWS), derived_seed(seed, HELD_OUT_SEED_TAG)):
+    for r in task.make_prompts(min(data_cfg.size, TASK_DRAWS), derived_seed(seed, HELD_OUT_SEED_TAG)):
         if r["prompt"] not in drawn:
             drawn.add(r["prompt"])
             records.append(r)
