@@ -1,9 +1,12 @@
 """The ``dsrl`` command: ``dsrl plan`` prints the batch plan; ``dsrl export`` writes a checkpoint as a
-Hugging Face model directory; ``dsrl plot`` draws a run's curves; ``dsrl check`` explains the self-check.
+Hugging Face model directory; ``dsrl eval`` evaluates a model on a run file's eval section; ``dsrl plot`` draws a
+run's curves; ``dsrl check`` explains the self-check.
 
 ``dsrl plan --ds_config FILE [--world_size N] [--dataset_size M] [--lengths FILE] [--json] [--dsrl.x.y V ...]``
 ``dsrl export RUN_OR_CHECKPOINT_DIR --out DIR [--dtype auto|float32|bfloat16|float16] [--adapter] [--overwrite]``
-``dsrl plot RUN_DIR [--out FILE.png]``   (needs matplotlib: reward, accuracy, entropy, KL, LR per step)
+``dsrl eval --ds_config FILE --model DIR [--out DIR] [--json] [--dsrl.x.y V ...]``   (DIR: a model directory or a
+   run's checkpoint; N ranks: deepspeed --num_gpus N --module dsrl.cli eval ...)
+``dsrl plot RUN_DIR [--out FILE.png]``   (needs matplotlib: reward, accuracy, evaluations, entropy, KL, LR per step)
 ``dsrl prepare-data gsm8k --out DIR [--source PATH_OR_HUB_NAME] [--overwrite]``   (the parquet the gsm8k run files read)
 """
 
@@ -282,6 +285,8 @@ def cmd_plot(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # under `deepspeed --module dsrl.cli ...` the launcher puts --local_rank=N first (LOCAL_RANK carries it too)
+    argv = [a for a in argv if not a.startswith("--local_rank=")]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         print("\nSelf-check on your cluster: deepspeed --num_gpus N --module dsrl.check --ds_config FILE")
@@ -294,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(rest)
         if cmd == "plot":
             return cmd_plot(rest)
+        if cmd == "eval":
+            from dsrl.cli.evaluate import main as eval_main
+
+            _quiet_deepspeed_logs()
+            return eval_main(rest)
         if cmd == "check":
             from dsrl.cli.check import main as check_main
 
@@ -308,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         print(f"dsrl: error: {e}", file=sys.stderr)
         return 1
-    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export', 'plot', 'prepare-data' or 'check')", file=sys.stderr)
+    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export', 'eval', 'plot', 'prepare-data' or 'check')",
+          file=sys.stderr)
     return 2
 
 

@@ -2,7 +2,8 @@
 
 Owns: every rule that needs neither the world size, the data nor a framework (one module per
 section group: :mod:`.batch`, :mod:`.run`, :mod:`.model`, :mod:`.data`, :mod:`.rollout`,
-:mod:`.algorithm`, :mod:`.memory`, and :mod:`.root` for the rules across sections), the one :class:`ConfigError`
+:mod:`.algorithm`, :mod:`.memory`, :mod:`.evaluation`, and :mod:`.root` for the rules across sections), the one
+:class:`ConfigError`
 (import it from here: ``from dsrl.config import ConfigError``), the names of algorithms, loss modes
 and backends (:mod:`.names`, declared once), reading a run file with dotted overrides (:mod:`.load`),
 docs/configuration.md (:mod:`.docs`), the combinations of settings that are refused (:mod:`.support`,
@@ -15,6 +16,7 @@ from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, RolloutCorrecti
 from dsrl.config.batch import BatchConfig
 from dsrl.config.data import DataConfig
 from dsrl.config.errors import ConfigError
+from dsrl.config.evaluation import EvalConfig
 from dsrl.config.load import (
     DS_BATCH_KEYS,
     Config,
@@ -32,7 +34,8 @@ from dsrl.config.section import Section
 
 __all__ = [
     "DS_BATCH_KEYS", "AlgorithmConfig", "BatchConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "DsrlConfig", "LoraConfig", "MemoryConfig", "ModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig",
+    "DsrlConfig", "EvalConfig", "LoraConfig", "MemoryConfig", "ModelConfig", "RolloutConfig", "RolloutCorrectionConfig",
+    "RunConfig",
     "SchedulerConfig", "Section", "SftConfig",
     "apply_overrides", "load_config", "parse_override_args", "parse_override_value",
 ]

@@ -10,6 +10,7 @@ from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, SftConfig
 from dsrl.config.batch import BatchConfig
 from dsrl.config.data import DataConfig
 from dsrl.config.errors import ConfigError
+from dsrl.config.evaluation import EvalConfig
 from dsrl.config.memory import MemoryConfig
 from dsrl.config.model import ModelConfig
 from dsrl.config.names import ALGORITHM_LOSS_AGG, CRITIC_ALGORITHMS, DISAGGREGATED, GROUP_RELATIVE_ALGORITHMS
@@ -33,6 +34,7 @@ class DsrlConfig(Section):
     critic: CriticConfig = setting(CriticConfig, CriticConfig.__doc__)
     sft: SftConfig = setting(SftConfig, SftConfig.__doc__)
     memory: MemoryConfig = setting(MemoryConfig, MemoryConfig.__doc__)
+    eval: EvalConfig = setting(EvalConfig, EvalConfig.__doc__)
 
     @model_validator(mode="before")
     @classmethod
@@ -145,6 +147,26 @@ class DsrlConfig(Section):
         return self
 
     @model_validator(mode="after")
+    @collected
+    def _eval_split_of_the_training_dataset(self) -> DsrlConfig:
+        """`eval.split` without `eval.path` is a split of the training dataset: it needs `data.path` (a built-in task
+        has no splits) and differs from `data.split` (else the evaluation prompts would be the training prompts)."""
+        e, d = self.eval, self.data
+        if e.split is None or e.path is not None:
+            return self
+        if d.path is None:
+            raise ConfigError(
+                f"dsrl.eval.split = {e.split!r} names a split of the training dataset, but prompts come from the "
+                f"built-in task {d.task!r}, which has no splits (with no eval source set it evaluates the task's "
+                "held-out prompts). Fix: remove dsrl.eval.split, or set dsrl.eval.path to the dataset to evaluate.")
+        if e.split == d.split:
+            raise ConfigError(
+                f"dsrl.eval.split = {e.split!r} is dsrl.data.split, the split the run trains on: the evaluation would "
+                "measure the training prompts. Fix: set dsrl.eval.split to a held-out split (e.g. test), or "
+                "dsrl.eval.path to held-out prompts.")
+        return self
+
+    @model_validator(mode="after")
     def _report(self) -> DsrlConfig:
         # not a rule: raises the problems every rule above found, together (dsrl.config.section.collected)
         return report_collected(self)
@@ -189,3 +211,18 @@ class DsrlConfig(Section):
         generated whole and then cut at ``rollout.max_trajectory_tokens``."""
         extra = self.rollout.max_new_tokens if self.multi_turn else 0
         return self.data.max_prompt_tokens + self.max_completion_tokens + extra
+
+    @property
+    def eval_sampling(self) -> RolloutConfig:
+        """The rollout settings evaluation generates with: ``dsrl.rollout``'s, with ``eval``'s temperature (0 =
+        greedy), top_p, top_k and max_new_tokens (unset = the rollout's)."""
+        e = self.eval
+        return self.rollout.model_copy(update={
+            "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
+            "max_new_tokens": e.max_new_tokens or self.rollout.max_new_tokens})
+
+    @property
+    def max_eval_generation_tokens(self) -> int:
+        """The longest sequence one evaluation generate call may hold: :attr:`max_generation_tokens` with
+        ``eval.max_new_tokens`` in place of ``rollout.max_new_tokens``."""
+        return self.max_generation_tokens - self.rollout.max_new_tokens + self.eval_sampling.max_new_tokens

@@ -19,3 +19,13 @@ def generation_seed(run_seed: int, rollout: int, sampling_round: int, replica: i
     the generator rank serving it make the same call with the same seed, so a resumed run regenerates the same
     completions."""
     return derived_seed(run_seed, rollout, sampling_round, replica)
+
+
+EVAL_SEED_TAG = 0xE7A1  # every evaluation seed is derived with it: a stream apart from every training one
+
+
+def eval_seed(run_seed: int, rollout: int, replica: int, call: int) -> int:
+    """The seed of one evaluation generate call (``dsrl.eval``): data-parallel replica ``replica``'s call ``call`` of
+    the evaluation after ``rollout`` rollouts. A colocated replica and the generator rank serving it make the same
+    call with the same seed."""
+    return derived_seed(run_seed, EVAL_SEED_TAG, rollout, replica, call)

@@ -2,9 +2,10 @@
 
 Owns, at this level: the loop (:mod:`.trainer`, top to bottom, one call per stage), one rollout's experience
 (:mod:`.experience`), the critic (:mod:`.critic`: a value model, or its null object), the supervised warm-up
-(:mod:`.sft`), a rollout's statistics (:mod:`.rollout_stats`) and the guard against rollouts that train on nothing
-(:mod:`.empty_rollouts`); the run's parts (:mod:`.run`: built by one function, the run state and its checkpointer,
-the stop policy), which only the trainer imports. Rooms, each a package of its own:
+(:mod:`.sft`), a rollout's statistics (:mod:`.rollout_stats`), the guard against rollouts that train on nothing
+(:mod:`.empty_rollouts`) and the held-out evaluation (:mod:`.evaluation`, ``dsrl.eval``); the run's parts
+(:mod:`.run`: built by one function, the run state and its checkpointer, the stop policy), which only the trainer
+imports. Rooms, each a package of its own:
 
 - :mod:`.policy` -- the policy model (a checkpoint or the tiny built-in one), its LoRA adapters, its tokenizer, the
   one builder of the rollout side (tokenizer, model, backend) that every placement uses, and the actor (its engine,

@@ -12,7 +12,10 @@ One rollout, on every rank:
    (unless in the critic's warm-up, ``critic.warmup_rollouts``) and then the critic;
 3. **record**: the rollout's statistics summed over the ranks, with each phase's seconds, tokens and peak memory,
    to metrics.jsonl, DeepSpeed's monitor and the console;
-4. **decide**: the stop policy (:class:`dsrl.rl.run.stopping.StopPolicy`) says whether to checkpoint and whether to
+4. **evaluate**: when due (``dsrl.eval``: before the first rollout, every ``eval.every`` rollouts and after the last),
+   the held-out evaluation of the weights (:class:`dsrl.rl.evaluation.Evaluator`), before the rollout's checkpoint;
+   a due one that a stop skipped runs when the run resumes, before its first rollout;
+5. **decide**: the stop policy (:class:`dsrl.rl.run.stopping.StopPolicy`) says whether to checkpoint and whether to
    end; a rollout that trained on nothing is warned about, and too many in a row end the run
    (:class:`dsrl.rl.empty_rollouts.EmptyRollouts`).
 
@@ -105,6 +108,10 @@ class Trainer:
             log.info("%s already holds the finished run (%d rollouts); nothing to do. Use a new "
                      "--dsrl.run.output_dir, or --overwrite to start over.", p.cfg.dsrl.run.output_dir, plan.rollouts)
         p.backend.begin(state.rollout)  # where this invocation starts (a remote backend tells its generators)
+        self._evaluate()  # before rollout 1, or the one a stop skipped
+        if p.stop.decision is not None:  # a stop during that evaluation: nothing was trained since the checkpoint
+            self._report_stop(mid_rollout=False)
+            return summary
         while state.rollout < plan.rollouts:
             boundary = state.snapshot()  # make() draws the next prompts: a stop inside it commits this state
             p.stop.new_rollout()
@@ -128,6 +135,7 @@ class Trainer:
             stats.train_s = time.perf_counter() - t0
             state.rollout += 1
             summary, totals = self._record(stats, results, rounds, elapsed_s=time.perf_counter() - t_loop)
+            self._evaluate()  # when due, before the rollout's checkpoint
             decision = p.stop_policy.after_rollout(state.rollout, start, requested=p.stop.decide(0) is not None)
             # A rollout that trained on nothing is warned about; too many in a row, or a whole run of them, end the
             # run here, before its checkpoint (dsrl.rl.empty_rollouts). Global counts: every rank decides alike.
@@ -144,6 +152,17 @@ class Trainer:
             if decision.end:
                 break
         return summary
+
+    def _evaluate(self) -> None:
+        """The held-out evaluation of the weights after ``state.rollout`` rollouts, when due; generator ranks that are
+        gone meanwhile (disaggregated) end the run after a checkpoint of what was trained."""
+        p = self.parts
+        if p.evaluator.due(p.state.rollout):
+            p.memory.release()  # generation needs the device, not the training state (dsrl.memory)
+        try:
+            p.evaluator.evaluate_if_due(p.state.rollout, p.actor.engine.optimizer_steps)
+        except GenerationStopped as e:  # (a stop request ends the evaluation inside it)
+            p.checkpointer.stop_without_generation(e, p.state.snapshot())  # commits what was trained, then raises
 
     def train_rollout(self, local: list[Sample]) -> list[StepResult]:
         """E reshuffled passes over the rollout, one optimizer step per mini-batch: the actor's (unless in the

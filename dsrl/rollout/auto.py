@@ -234,6 +234,12 @@ class AutoRolloutBackend(RolloutBackend):
         if self.cb is not None:
             self.cb.close()
 
+    def with_sampling(self, rollout_cfg: RolloutConfig) -> AutoRolloutBackend:
+        """A new dispatcher on the same policy, choosing per call on its own workload and bounds
+        (:meth:`dsrl.rollout.base.RolloutBackend.with_sampling`)."""
+        return AutoRolloutBackend(self.hf.source, self.hf.tokenizer, rollout_cfg,
+                                  bounds=self.bounds and self.bounds.for_sampling(self.cfg, rollout_cfg))
+
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int, **kwargs: Any
                  ) -> list[Completion]:
         """See :mod:`dsrl.rollout.base`; the chosen backend's ``generate``."""

@@ -20,7 +20,11 @@ Contract of :meth:`RolloutBackend.generate` (all backends):
   own forwards chose them;
 - every data-parallel rank calls ``generate`` the same number of times (the call may gather the
   ZeRO-3 parameters collectively); the number of prompts and the lengths may differ per rank, and a
-  rank with no prompts still calls it with an empty list.
+  rank with no prompts still calls it with an empty list;
+- :meth:`RolloutBackend.with_sampling` gives a backend on the *same* policy (no second copy of the weights, no
+  second engine) that samples with other settings (temperature, top-p, top-k, max_new_tokens: an evaluation's);
+  it keeps this contract, its calls are bounded as this backend's are (the same sequences at once, each longer by
+  the change in ``max_new_tokens``), and its :meth:`RolloutBackend.close` releases only what it built itself.
 """
 
 from __future__ import annotations
@@ -96,6 +100,15 @@ class RolloutBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - a no-op is the right default
         """Release what the backend holds beyond the policy (an engine, its memory); called once at the end."""
+
+    def with_sampling(self, rollout_cfg: RolloutConfig) -> RolloutBackend:
+        """A backend generating with the same policy, and the same weights, under ``rollout_cfg``'s sampling
+        (``temperature`` 0 = greedy, ``top_p``, ``top_k``, ``max_new_tokens``; the module docstring's last rule).
+        Call :meth:`sync_weights` on it before generating (a backend with its own copy of the weights reloads the
+        current ones) and :meth:`close` when done. The default refuses: a backend that cannot generate with other
+        settings says so."""
+        raise NotImplementedError(f"{type(self).__name__} cannot generate with other sampling settings (an "
+                                  "evaluation's); use rollout.backend 'hf', 'cb', 'auto' or 'vllm'")
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None) -> list[int]:

@@ -226,6 +226,11 @@ class CallBounds:
         return cls(concurrency(prompts_per_rank, samples_per_prompt, generation_batch_size), sequence_tokens,
                    new_tokens, calls_per_rollout)
 
+    def for_sampling(self, was: RolloutConfig, now: RolloutConfig) -> CallBounds:
+        """These bounds for calls made with ``now``'s settings instead of ``was``'s: as many sequences, each longer by
+        the change in ``max_new_tokens``."""
+        return CallBounds(self.sequences, self.sequence_tokens - was.max_new_tokens + now.max_new_tokens)
+
 
 class ContinuousBatchingBackend(RolloutBackend):
     """transformers continuous batching on the policy (a :class:`dsrl.RLEngine` or a plain module).
@@ -342,6 +347,13 @@ class ContinuousBatchingBackend(RolloutBackend):
     def close(self) -> None:
         """Destroy the kept manager (its paged cache, CUDA graphs and memory pool)."""
         self._drop_session()
+
+    def with_sampling(self, rollout_cfg: RolloutConfig) -> ContinuousBatchingBackend:
+        """A new continuous-batching backend on the same policy (its own manager, released by its ``close``), bounded
+        like this one: as many sequences at once, each longer by the change in ``max_new_tokens``
+        (:meth:`dsrl.rollout.base.RolloutBackend.with_sampling`)."""
+        return ContinuousBatchingBackend(self._hf.source, self._hf.tokenizer, rollout_cfg,
+                                         bounds=self.bounds and self.bounds.for_sampling(self.cfg, rollout_cfg))
 
     def _check_bounds(self, prompt_ids: list[list[int]]) -> None:
         if self.bounds is None:

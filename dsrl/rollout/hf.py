@@ -72,6 +72,7 @@ class HFRolloutBackend(RolloutBackend):
     def __init__(self, engine_or_module: GenerationPolicy, tokenizer: PreTrainedTokenizerBase,
                  rollout_cfg: RolloutConfig):
         self.module, self.policy = unwrap(engine_or_module)
+        self.source, self.tokenizer = engine_or_module, tokenizer  # what with_sampling builds on
         self.cfg = rollout_cfg
         self.eos = stop_token_ids(tokenizer, self.module, rollout_cfg)
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -83,6 +84,10 @@ class HFRolloutBackend(RolloutBackend):
 
     def returns_routes(self) -> bool:
         return self.routing is not None
+
+    def with_sampling(self, rollout_cfg: RolloutConfig) -> HFRolloutBackend:
+        """A new ``generate`` backend on the same policy (:meth:`dsrl.rollout.base.RolloutBackend.with_sampling`)."""
+        return HFRolloutBackend(self.source, self.tokenizer, rollout_cfg)
 
     @property
     def device(self) -> torch.device:

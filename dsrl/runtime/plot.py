@@ -1,6 +1,7 @@
 """``dsrl plot RUN_DIR [--out FILE]``: the curves of a run, as a PNG, from its ``metrics.jsonl``.
 
-Panels: mean reward and exact-match accuracy, policy entropy, KL to the reference, (with a critic) the
+Panels: mean reward and exact-match accuracy, the held-out evaluations (``dsrl.eval``: accuracy, pass@k and mean
+reward per evaluated rollout, when the run has them), policy entropy, KL to the reference, (with a critic) the
 value loss, the behavior policy's mismatch (when measured), and the seconds of each phase with the peak
 memory (``dsrl.runtime.phases``), per rollout; the learning rate per optimizer step (policy, and critic when present),
 with the supervised warm-up steps (``dsrl.sft``) shaded. matplotlib is optional: it is imported only
@@ -71,10 +72,25 @@ def _phase_panel(ax: Any, rollouts: list[dict[str, Any]], keys: list[str]) -> No
         mem.legend(loc="upper right", fontsize=7)
 
 
+def _eval_panel(ax: Any, evals: list[dict[str, Any]]) -> None:
+    """Accuracy, pass@k and mean reward of each held-out evaluation, at the rollout it evaluated."""
+    k = evals[-1].get("pass_k")
+    for key, label in (("accuracy", "held-out accuracy"), ("pass_at_k", f"pass@{k}"), ("reward_mean", "mean reward")):
+        if key == "pass_at_k" and k == 1:
+            continue  # pass@1 is the accuracy
+        x, y = _series(evals, "rollout", key)
+        if y:
+            ax.plot(x, y, marker="o", markersize=3, label=label)
+    last = evals[-1]
+    ax.set_ylabel(f"evaluation ({last.get('prompts')} prompts)")
+    ax.legend(loc="lower right", fontsize=8)
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     """Write the run's curves to ``out`` (default ``RUN_DIR/curves.png``); returns the path written."""
     rows = read_metrics(run_dir)
     rollouts = [r for r in rows if r.get("event") == "rollout"]
+    evals = [r for r in rows if r.get("event") == "eval" and isinstance(r.get("rollout"), int)]
     steps = [r for r in rows if r.get("event") in ("step", "sft")]
     if not rollouts and not steps:
         raise ConfigError(f"dsrl plot {run_dir}: metrics.jsonl holds no rollout or step rows yet.")
@@ -83,7 +99,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     has_mismatch = any(isinstance(r.get(k), (int, float)) for r in rollouts
                        for k in ("rollout_logprob_abs_diff", "router_mismatch_frac"))
     phase_keys = [k for k in PHASE_KEYS if any(isinstance(r.get(k), (int, float)) for r in rollouts)]
-    panels = ["reward", "entropy", "kl", *(["value"] if has_critic else []), *(["mismatch"] if has_mismatch else []),
+    panels = ["reward", *(["eval"] if evals else []), "entropy", "kl", *(["value"] if has_critic else []),
+              *(["mismatch"] if has_mismatch else []),
               *(["phases"] if phase_keys else []), "lr"]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.1 * len(panels)), sharex=False)
     ax = dict(zip(panels, axes))
@@ -95,6 +112,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         ax["reward"].plot(x, y, label="exact-match accuracy")
     ax["reward"].set_ylabel("reward / accuracy")
     ax["reward"].legend(loc="lower right", fontsize=8)
+    if evals:  # the held-out evaluations (dsrl.eval)
+        _eval_panel(ax["eval"], evals)
     for name, key, label in (("entropy", "entropy", "entropy (nats/token)"), ("kl", "kl", "KL to reference"),
                              ("value", "value_loss", "value loss")):
         if name not in ax:
@@ -147,6 +166,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         title += f": exact match {sum(acc) / len(acc):.1%} over the last {len(acc)} rollouts"
     elif last:
         title += f": mean reward {last.get('reward_mean', float('nan')):.3f} at rollout {last.get('rollout')}"
+    if evals and isinstance(evals[-1].get("accuracy"), (int, float)):
+        title += f"; held-out {evals[-1]['accuracy']:.1%} at rollout {evals[-1]['rollout']}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out = out or os.path.join(run_dir, DEFAULT_NAME)

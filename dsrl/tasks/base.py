@@ -9,7 +9,9 @@ its answer. Invariants every task keeps:
 - ``reward`` is in [0, 1], equals 1.0 exactly when ``accuracy`` is 1.0, and gives partial credit so a
   randomly initialised model already sees reward differences inside a group;
 - completions are the decoded generated text *without* special tokens; leading/trailing whitespace
-  is ignored.
+  is ignored;
+- ``prompt_space()`` is every distinct prompt the task can make, in a fixed order, when there are few enough to
+  list (None otherwise): what a held-out evaluation picks from (:mod:`dsrl.rl.data.evalset`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ class Task(abc.ABC):
             raise ValueError(f"make_prompts: n = {n} must be >= 0")
         rng = random.Random(seed)
         return [self.example(rng) for _ in range(n)]
+
+    def prompt_space(self) -> list[dict[str, str]] | None:
+        """Every distinct ``{"prompt", "answer"}`` the task makes, in a fixed order, or None when the task has too many
+        to list (then any draw is almost surely new)."""
+        return None
 
     def reward(self, prompt: str, completion: str, answer: str) -> float:
         """Partial-credit reward in [0, 1] (see :func:`partial_match_reward`)."""

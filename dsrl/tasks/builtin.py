@@ -7,6 +7,7 @@ from its first rollout (see :func:`dsrl.tasks.base.partial_match_reward`).
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -30,6 +31,12 @@ class StringTask(Task):
         s = "".join(rng.choice(self.alphabet) for _ in range(n))
         return {"prompt": f"{self.name}: {s} =", "answer": s[::-1] if self.reverse else s}
 
+    def prompt_space(self) -> list[dict[str, str]]:
+        """Every string of ``min_len``..``max_len`` characters of ``alphabet`` (155 for 1-3 of 5 letters)."""
+        return [{"prompt": f"{self.name}: {s} =", "answer": s[::-1] if self.reverse else s}
+                for n in range(self.min_len, self.max_len + 1)
+                for s in ("".join(t) for t in itertools.product(self.alphabet, repeat=n))]
+
 
 @dataclass(frozen=True)
 class AddTask(Task):
@@ -40,3 +47,8 @@ class AddTask(Task):
     def example(self, rng: random.Random) -> dict[str, str]:
         a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
         return {"prompt": f"{self.name}: {a}+{b} =", "answer": str(a + b)}
+
+    def prompt_space(self) -> list[dict[str, str]]:
+        """Every pair of operands: ``(max_value + 1) ** 2`` prompts (100 for 0..9)."""
+        r = range(self.max_value + 1)
+        return [{"prompt": f"{self.name}: {a}+{b} =", "answer": str(a + b)} for a in r for b in r]

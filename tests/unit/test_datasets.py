@@ -149,7 +149,8 @@ def test_another_split_through_the_same_loaders(tmp_path):
         "main-test 0: add: 0+1 =", "main-test 1: add: 1+1 ="]
     assert dataset_size(cfg, held_out) == 2
     other = DatasetSource(str(write_jsonl(tmp_path / "e.jsonl", [{"question": "", "answer": "1"}])), field="dsrl.eval")
-    with pytest.raises(ConfigError, match=r"dsrl.eval.prompt_key = 'question': row 0 of dsrl.eval.path = .* is empty"):
+    # the source is the evaluation's, the prompt settings are dsrl.data's (dsrl.eval has no prompt_key)
+    with pytest.raises(ConfigError, match=r"dsrl.data.prompt_key = 'question': row 0 of dsrl.eval.path = .* is empty"):
         load_prompts(cfg, 0, source=other)
 
 

@@ -13,6 +13,7 @@ from conftest import REPO
 
 from dsrl.cli.main import main
 from dsrl.config import ConfigError, ModelConfig, load_config
+from dsrl.rl.data.evalset import load_eval_prompts
 from dsrl.rl.data.prompts import load_prompts
 from dsrl.rl.policy.tokenizer import load_tokenizer
 from dsrl.tasks import verifiable
@@ -66,6 +67,7 @@ def test_dsrl_plan_accepts_each_run_file_without_weights_or_data(name, world, ca
     assert not Path(d.model.path).is_absolute() and d.model.path.startswith("models/Qwen2.5-")
     assert d.data.max_prompt_tokens == 512 and d.data.prompt_truncation == "error"  # never cut silently
     assert d.data.max_prompt_tokens + d.rollout.max_new_tokens <= d.batch.max_tokens_per_micro_batch
+    assert (d.eval.every, d.eval.split, d.eval.samples_per_prompt, d.eval.temperature) == (10, "test", 1, 0.0)
 
 
 def test_prepare_data_writes_the_parquet_the_run_files_read_offline(tmp_path, capsys):
@@ -84,6 +86,10 @@ def test_prepare_data_writes_the_parquet_the_run_files_read_offline(tmp_path, ca
         assert len(records) == 6 and records[0]["prompt"].endswith('output the final answer after "####".')
         held_out = load_prompts(cfg.dsrl.data.model_copy(update={"split": "test"}), 0)
         assert len(held_out) == 2
+        # the run file's eval section resolves to the test split, read and checked like the training prompts
+        evaluated = load_eval_prompts(cfg.dsrl.eval, cfg.dsrl.data, 0, load_tokenizer(ModelConfig()))
+        assert [r["prompt"] for r in evaluated.records] == [r["prompt"] for r in held_out]
+        assert "split 'test'" in evaluated.where
     if verifiable.has_math_verify():
         gold = records[0]["answer"]
         final = gold.rsplit("#### ", 1)[1]

@@ -63,14 +63,24 @@ def test_the_run_state_round_trip_continues_exactly():
     empty = RolloutOutcome(samples=8, masked=8, nonfinite_rewards=8, reward_timeouts=0, environment_timeouts=0,
                            truncated=0, steps=1, applied_with_tokens=0, tokens=0)
     live.empty.observe(2, empty, last=False)
-    live.rollout, live.calls = 3, 7
+    live.rollout, live.calls, live.evaluation.last = 3, 7, 2
     saved = _through_a_checkpoint(live.state_dict())
-    assert set(saved) == {"rollout", "calls", "sampler", "empty_rollouts", "version"} and saved["version"] == 3
+    assert set(saved) == {"rollout", "calls", "sampler", "empty_rollouts", "version", "evaluated"}
+    assert saved["version"] == 3 and saved["evaluated"] == 2
     resumed = _state()
+    progress = resumed.evaluation  # the evaluator's, shared: restored in place
     resumed.load_state_dict(saved)
-    assert resumed.state_dict() == live.state_dict()
+    assert resumed.state_dict() == live.state_dict() and progress.last == 2
     assert [resumed.sampler.next_indices() for _ in range(4)] == [live.sampler.next_indices() for _ in range(4)]
     assert resumed.empty.in_a_row == live.empty.in_a_row == 1
+
+
+def test_a_checkpoint_from_before_evaluations_resumes_with_none_evaluated():
+    saved = {k: v for k, v in _state().state_dict().items() if k != "evaluated"}
+    resumed = _state()
+    resumed.evaluation.last = 5
+    resumed.load_state_dict(saved)
+    assert resumed.evaluation.last == -1
 
 
 def test_a_snapshot_keeps_the_boundary_and_the_random_streams():

@@ -67,7 +67,7 @@ def load_prompts(data_cfg: DataConfig, seed: int, tokenizer: Any = None, *,
         source = source or DatasetSource.of(data_cfg)
         records = make_records(read_rows(source), data_cfg, source)
         where = source.describe()
-    field = source.field if source is not None else DataConfig.PATH
+    field = DataConfig.PATH  # the prompt settings are dsrl.data's, whichever section named the dataset
     if data_cfg.system_prompt and not data_cfg.chat_template and any(isinstance(r["prompt"], str) for r in records):
         raise ConfigError(
             f"{field}.system_prompt is set but the prompts of {where} are text and {field}.chat_template is false, "

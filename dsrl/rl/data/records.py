@@ -91,7 +91,7 @@ class _Problems:
 
 def make_records(rows: Any, data_cfg: DataConfig, source: DatasetSource) -> list[dict[str, Any]]:
     """The records of ``rows`` (a ``datasets.Dataset``) in their order, or one ConfigError with every problem."""
-    f = source.field
+    f = DataConfig.PATH  # the prompt settings are dsrl.data's, whichever section named the dataset
     columns = list(rows.column_names)
     template = data_cfg.prompt_template
     named = list(dict.fromkeys(PLACEHOLDER.findall(template))) if template else []
@@ -141,7 +141,7 @@ _MESSAGES = ('write each prompt as a list of {"role": ..., "content": ...} messa
 
 def _check_rows(table: list[dict[str, Any]], data_cfg: DataConfig, source: DatasetSource,
                 used: Sequence[str]) -> list[dict[str, Any]]:
-    f, key, akey = source.field, data_cfg.prompt_key, data_cfg.answer_key
+    f, key, akey = DataConfig.PATH, data_cfg.prompt_key, data_cfg.answer_key
     builtin = data_cfg.reward_fn in BUILTIN_REWARDS
     found = _Problems(source)
     records: list[dict[str, Any]] = []

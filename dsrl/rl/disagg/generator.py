@@ -12,6 +12,12 @@
             send the completions (with their version and behavior log-probs) to the replica's source trainer
     until the stop message
 
+and, whenever a version arrives flagged for evaluation (``dsrl.eval``: trainer 0 publishes the weights of an
+evaluation point, :class:`dsrl.rl.disagg.remote.RemoteEvaluation`), evaluates it before generating on: each
+replica's evaluation calls (:func:`dsrl.rl.data.evalset.replica_calls`, the colocated replica's prompts, sampling
+and seeds, :func:`dsrl.core.seeds.eval_seed`) with the run's backend under the evaluation's sampling, the
+completions sent to the replica's source trainer under the evaluation's tags (:data:`dsrl.rl.disagg.wire.EVAL_TAGS`).
+
 so generation runs at most k versions ahead of training and, for a given start, is a pure function of the
 weights, prompts and seeds: a resumed run regenerates what was in flight. The next version's receive is always
 posted before generating, so trainer 0's send never waits for a generation. Idle time (waiting for weights)
@@ -35,12 +41,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dsrl.config import Config, ConfigError, DsrlConfig
+from dsrl.config import Config, ConfigError, DsrlConfig, EvalConfig, RolloutConfig
 from dsrl.core.errors import RunError
-from dsrl.core.seeds import generation_seed
-from dsrl.rl.data.prompts import PromptSource, replica_share
+from dsrl.core.seeds import eval_seed, generation_seed
+from dsrl.rl.data.evalset import EvalPrompts, prompts_per_call, replica_calls
+from dsrl.rl.data.prompts import PromptSource, encode, replica_share
 from dsrl.rl.disagg.roles import Role
 from dsrl.rl.disagg.wire import (
+    EVAL_TAGS,
     SampleMessage,
     WeightLayout,
     WeightReceiver,
@@ -58,27 +66,32 @@ log = logging.getLogger("dsrl.rl.disagg.generator")
 
 @dataclass(frozen=True)
 class GeneratorSettings:
-    """What of the run file a generator rank reads: P and G (``batch``), the run's seed and the bound on every wait
-    (``run.collective_timeout_s``)."""
+    """What of the run file a generator rank reads: P and G (``batch``), the run's seed, the bound on every wait
+    (``run.collective_timeout_s``), and for evaluations the ``eval`` section and its sampling
+    (``DsrlConfig.eval_sampling``)."""
 
     prompts_per_rollout: int
     samples_per_prompt: int
     seed: int
     collective_timeout_s: float
+    eval: EvalConfig
+    eval_sampling: RolloutConfig
 
     @classmethod
     def of(cls, d: DsrlConfig) -> GeneratorSettings:
-        return cls(d.batch.prompts_per_rollout, d.batch.samples_per_prompt, d.run.seed, d.run.collective_timeout_s)
+        return cls(d.batch.prompts_per_rollout, d.batch.samples_per_prompt, d.run.seed, d.run.collective_timeout_s,
+                   d.eval, d.eval_sampling)
 
 
 class GeneratorWorker:
     """One generator rank (module docstring), built by :meth:`start`. ``run()`` returns the process exit status."""
 
     def __init__(self, settings: GeneratorSettings, role: Role, side: RolloutSide, prompts: PromptSource,
-                 backend: RolloutBackend):
+                 backend: RolloutBackend, eval_prompts: EvalPrompts | None = None):
         """``side``: this rank's rollout side, its model on the generator's device; ``backend`` generates with it
-        (each call one trainer replica's P/D prompts)."""
+        (each call one trainer replica's P/D prompts); ``eval_prompts``: the evaluation's (``eval.every`` > 0)."""
         self.settings, self.role, self.side, self.prompts, self.backend = settings, role, side, prompts, backend
+        self.eval_prompts = eval_prompts
         self.bound_s = settings.collective_timeout_s
         self.weights = side.weights()  # where the trainers' published state_dict lands, name for name
         self.status = 0
@@ -96,10 +109,17 @@ class GeneratorWorker:
         problem: ConfigError | RunError | None = None
         side: RolloutSide | None = None
         prompts: PromptSource | None = None
+        eval_prompts: EvalPrompts | None = None
         try:
             side = RolloutSide(RolloutSideSettings.of(d), on_gpu())
             prompts = PromptSource.load(d.data, d.batch.prompts_per_rollout, d.run.seed, d.run.last_rollout,
                                         side.tokenizer)
+            if d.eval.every:  # the trainers load the same prompts (dsrl.rl.run.parts)
+                from dsrl.rl.data.evalset import load_eval_prompts
+
+                eval_prompts = load_eval_prompts(d.eval, d.data, d.run.seed, side.tokenizer,
+                                                 train_records=prompts.records,
+                                                 asked_by=f"dsrl.eval.every = {d.eval.every}")
             side.build_model()
             side.check()  # this rank builds the backend: vLLM's refusals are found here, before any work
             side.check_moe()  # the trainers refuse the same run file with the same sentence
@@ -115,7 +135,7 @@ class GeneratorWorker:
         except Exception as e:  # noqa: BLE001 - any failure to build it is reported as one sentence
             raise RunError(f"{role.describe(role.global_rank)}: could not build the rollout backend "
                            f"{d.rollout.backend!r}: {type(e).__name__}: {describe_failure(e)}") from e
-        return cls(GeneratorSettings.of(d), role, side, prompts, backend)
+        return cls(GeneratorSettings.of(d), role, side, prompts, backend, eval_prompts)
 
     def run(self) -> int:
         try:
@@ -150,7 +170,7 @@ class GeneratorWorker:
         layout = WeightLayout.from_json(control["layout"])
         replicas, generators = len(sources), role.generators
         per = replicas // generators
-        mine = range(role.role_rank * per, (role.role_rank + 1) * per)
+        mine = list(range(role.role_rank * per, (role.role_rank + 1) * per))
         receiver = WeightReceiver(role.sync, layout)
         receiver.post()
         version: int | None = None
@@ -168,8 +188,8 @@ class GeneratorWorker:
                 if got is None:
                     raise self._trainer_gone(f"no weights for rollout {r + 1} (version {need}) within "
                                              f"{self.bound_s:g} s")
-                version, stop = got
-                if stop:
+                version = got.version
+                if got.stop:
                     self._finish(pending)
                     return
                 try:
@@ -182,6 +202,8 @@ class GeneratorWorker:
                                              f"within {self.bound_s:g} s")
                 self.backend.sync_weights()
                 receiver.post()
+                if got.evaluate:
+                    pending += self._evaluate(version, sources, mine)
             idle = time.perf_counter() - t_idle
             indices = self.prompts.next_indices()
             for i, replica in enumerate(mine):
@@ -194,18 +216,56 @@ class GeneratorWorker:
                 msg = SampleMessage(r, replica, version, completions, time.perf_counter() - t0, idle if i == 0 else 0.0)
                 pending = [(w, t) for w, t in pending if not finished(w)]
                 pending += send_samples(role.bridge, sources[replica], msg)
-        # the plan's last rollout is generated: wait for the stop message so trainer 0's last send completes
+        # the plan's last rollout is generated: wait for the stop message so trainer 0's last send completes, and
+        # evaluate the weights after the last rollout when trainer 0 asks
         while True:
             try:
                 got = receiver.take(self._deadline())
-                if got is not None and not got[1]:  # a version sent after the last rollout: take its buckets
-                    receiver.receive_into(None, self._deadline())
+                if got is not None and not got.stop:  # a version sent after the last rollout: take its buckets
+                    # (into the model only when it is to be evaluated)
+                    receiver.receive_into(self.weights.state_dict() if got.evaluate else None, self._deadline())
             except RuntimeError:
                 return
-            if got is None or got[1]:
+            if got is None or got.stop:
                 self._finish(pending)
                 return
+            if got.evaluate:
+                self.backend.sync_weights()
             receiver.post()
+            if got.evaluate:
+                pending = [(w, t) for w, t in pending if not finished(w)]
+                pending += self._evaluate(got.version, sources, mine)
+
+    def _evaluate(self, version: int, sources: list[int], mine: list[int]) -> list[Any]:
+        """Evaluate the weights of ``version`` for the replicas in ``mine`` (module docstring); returns the posted
+        sends."""
+        st, prompts = self.settings, self.eval_prompts
+        if prompts is None:
+            raise RunError(f"{self.role.describe(self.role.global_rank)}: trainer 0 asked for an evaluation but "
+                           "dsrl.eval.every is 0 on this rank (every rank must read the same run file)")
+        replicas = len(sources)
+        per_call = prompts_per_call(st.prompts_per_rollout // replicas, st.samples_per_prompt,
+                                    st.eval.samples_per_prompt)
+        calls = {d: replica_calls(len(prompts), replicas, d, per_call) for d in mine}
+        data, tok = self.prompts.data_cfg, self.prompts.tokenizer
+        backend, pending = self.backend.with_sampling(st.eval_sampling), []
+        try:
+            backend.sync_weights()
+            for c in range(len(calls[mine[0]])):
+                for d in mine:
+                    t0 = time.perf_counter()
+                    records = [prompts.records[i] for i in calls[d][c]]
+                    ids = encode(tok, [r["prompt"] for r in records], data.max_prompt_tokens, data.chat_template,
+                                 data.system_prompt).ids if records else []
+                    completions = backend.generate(ids, st.eval.samples_per_prompt,
+                                                   seed=eval_seed(st.seed, version, d, c))
+                    for comp in completions:
+                        comp.version = version
+                    msg = SampleMessage(version, d, version, completions, time.perf_counter() - t0)
+                    pending += send_samples(self.role.bridge, sources[d], msg, EVAL_TAGS)
+        finally:
+            backend.close()
+        return pending
 
     def _finish(self, pending: list[Any]) -> None:
         """Let the sends still in flight complete (trainers that stopped early never receive them)."""

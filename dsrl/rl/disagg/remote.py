@@ -21,7 +21,13 @@ correction, advantages and data path):
   whether its process is frozen); the trainer then commits a checkpoint of its side and ends, and a hung generator
   of its host is ended once the trainers have exited (:meth:`dsrl.runtime.peers.Peers.end_after_exit`);
 - ``close()`` sends the stop message; generators exit when they read it;
-- rollouts are numbered in messages as the console numbers them (the first is rollout 1).
+- rollouts are numbered in messages as the console numbers them (the first is rollout 1);
+- evaluation (``dsrl.eval``, :meth:`RemoteRolloutBackend.with_sampling`): the generators evaluate the trainer's
+  current weights. The evaluation's ``sync_weights`` publishes them as the next version, flagged for evaluation
+  (the next rollout's ``sync_weights`` then has nothing to publish); each generator generates its replicas'
+  evaluation calls with that version, the evaluation's sampling and the seeds a colocated replica would use, and
+  sends them to the replicas' source trainers under the evaluation's tags, who score and reduce them. Waiting is
+  bounded and interrupted exactly as for a rollout's samples.
 
 With k = 0, every rollout is generated from the weights the trainer holds when it starts that rollout, by the
 same backend, seeds and generation batches as the colocated replica would use, so training is bitwise the
@@ -46,6 +52,7 @@ from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import is_source
 from dsrl.rl.disagg.roles import Role
 from dsrl.rl.disagg.wire import (
+    EVAL_TAGS,
     SampleMessage,
     SampleReceiver,
     WeightLayout,
@@ -92,6 +99,7 @@ class RemoteRolloutBackend(RolloutBackend):
         self.sources = [rank for _, rank in sorted((r, g) for r, s, g in pairs if s)]  # replica -> its source
         self.owner = role.generator_global_rank(replica_owner(self.replica, plan.data_parallel_size, role.generators))
         self.receiver = SampleReceiver(role.bridge, self.owner) if self.is_source else None
+        self.eval_receiver = SampleReceiver(role.bridge, self.owner, EVAL_TAGS) if self.is_source else None
         # The layout is read from the full weights (under ZeRO-3 the module's own tensors are empty shards outside
         # the gather): one gather, collective among the trainers, like every publish.
         with torch.no_grad(), gathered_for_generation(self.module, self.policy):
@@ -100,6 +108,7 @@ class RemoteRolloutBackend(RolloutBackend):
         self.sender = WeightSender(role.sync, self.layout) if role.global_rank == 0 else None
         self.start_version: int | None = None
         self.version: int | None = None  # the version published last (= the rollout being made)
+        self.ahead = False  # an evaluation published the next rollout's version already
         self.timing: dict[str, float] = {}
         self.lost = False  # a generator is gone or hangs: close() does not wait for it
         self.sync_problem: tuple[str, int | None] | None = None  # trainer 0's send failed: (why, hung generator)
@@ -144,7 +153,16 @@ class RemoteRolloutBackend(RolloutBackend):
                                     requested=False)
 
     def sync_weights(self) -> None:
-        """Publish the weights as the next version (collective among the trainers under ZeRO-3)."""
+        """Publish the weights as the next version (collective among the trainers under ZeRO-3), unless an
+        evaluation published them already."""
+        if self.ahead:
+            self.ahead = False
+            return
+        self.publish(evaluate=False)
+
+    def publish(self, evaluate: bool) -> int:
+        """Publish the weights as the next version (``evaluate``: the generators evaluate it); returns it. A send
+        that fails is reported with the next receive's status (every trainer stops on it, named)."""
         version = self.start_version if self.version is None else self.version + 1
         if version is None:
             raise RuntimeError("RemoteRolloutBackend.begin(rollout) must run before the first sync")
@@ -153,7 +171,8 @@ class RemoteRolloutBackend(RolloutBackend):
         with torch.no_grad(), gathered_for_generation(self.module, self.policy):
             if self.sender is not None:
                 try:
-                    waited = self.sender.send(version, self.module.state_dict(), time.monotonic() + self.bound_s)
+                    waited = self.sender.send(version, self.module.state_dict(), time.monotonic() + self.bound_s,
+                                              evaluate=evaluate)
                     sent = self.sender.bytes_per_version()
                 except (RuntimeError, TimeoutError) as e:  # reported with the samples' status (generate)
                     self.sync_problem = self._send_failure(version, e)
@@ -162,6 +181,12 @@ class RemoteRolloutBackend(RolloutBackend):
         self.timing = {"publish_s": seconds, "publish_wait_s": waited, "weight_sync_s": seconds,
                        "weight_sync_bytes": float(sent),
                        "weight_sync_buckets": float(len(self.layout.buckets) if sent else 0)}
+        return version
+
+    def with_sampling(self, rollout_cfg: RolloutConfig) -> RolloutBackend:
+        """The generators' evaluation of the current weights (module docstring); ``rollout_cfg``, the evaluation's
+        sampling, is the generators' to apply (they read it from the same run file)."""
+        return RemoteEvaluation(self)
 
     def _send_failure(self, version: int, e: BaseException) -> tuple[str, int | None]:
         """Why trainer 0 could not send version ``version`` (the generators' owner named), and the generator that
@@ -181,26 +206,39 @@ class RemoteRolloutBackend(RolloutBackend):
     def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
         """This replica's completions of the current rollout, as its generator sent them (module docstring)."""
         t0 = time.perf_counter()
-        status, msg, hung = "ok", None, None
         rollout = self.version + 1  # as the console counts rollouts
+        msg = self.receive(self.receiver, f"samples for rollout {rollout}", f"rollout {rollout}")
+        wait_s = time.perf_counter() - t0
+        self.timing.update(wait_s=wait_s, generation_s=msg.generation_s if msg else 0.0,
+                           idle_s=msg.idle_s if msg else 0.0)
+        if msg is None:
+            return []
+        self._check(msg, prompt_ids, samples_per_prompt)
+        return msg.completions
+
+    def receive(self, receiver: SampleReceiver | None, what: str, where: str) -> SampleMessage | None:
+        """The next message of ``receiver`` (a source trainer's; None elsewhere), within the bound; a failed weights
+        send, a generator that hangs or is gone, or a stop request while waiting, is agreed on by every trainer and
+        raised as :class:`GenerationStopped`. ``what`` / ``where``: the awaited message and the run's point."""
+        status, msg, hung = "ok", None, None
         if self.sync_problem is not None:
             status, hung = self.sync_problem
-        elif self.receiver is not None:
+        elif receiver is not None:
             def requested() -> bool:
                 return self.stop is not None and self.stop.requested_at is not None
 
             try:
-                msg = self.receiver.receive(time.monotonic() + self.bound_s, requested)
+                msg = receiver.receive(time.monotonic() + self.bound_s, requested)
                 if msg is None and not requested():
                     hung = self.owner
                     state = self.role.peers.state(self.owner) if self.role.peers is not None else None
-                    status = (f"{self.role.describe(self.owner)} sent no samples for rollout {rollout} within "
+                    status = (f"{self.role.describe(self.owner)} sent no {what} within "
                               f"{self.bound_s:.0f} s (0.9 x dsrl.run.collective_timeout_s): it "
                               f"{'is frozen (its process is stopped)' if state == FROZEN else 'hangs'}")
                 elif msg is None:
                     status = "stopped"
             except RuntimeError as e:  # the connection closed: the generator died
-                status = (f"{self.role.describe(self.owner)} is gone while rollout {rollout} was expected "
+                status = (f"{self.role.describe(self.owner)} is gone while {where} was expected "
                           f"({describe_failure(e)})")
         statuses: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(statuses, (status, hung))
@@ -213,13 +251,7 @@ class RemoteRolloutBackend(RolloutBackend):
             raise GenerationStopped(text + "; the trainer side commits a checkpoint and stops (resume with --resume "
                                     "auto once every rank is healthy)", requested=stopped,
                                     hung=sorted({h for _, h in statuses if h is not None}))
-        wait_s = time.perf_counter() - t0
-        self.timing.update(wait_s=wait_s, generation_s=msg.generation_s if msg else 0.0,
-                           idle_s=msg.idle_s if msg else 0.0)
-        if msg is None:
-            return []
-        self._check(msg, prompt_ids, samples_per_prompt)
-        return msg.completions
+        return msg
 
     def _check(self, msg: SampleMessage, prompt_ids: list[list[int]], samples_per_prompt: int) -> None:
         rollout = self.version
@@ -231,12 +263,9 @@ class RemoteRolloutBackend(RolloutBackend):
         if rollout - msg.version > k or msg.version > rollout:
             raise RuntimeError(f"rollout {rollout + 1} arrived generated with version {msg.version}, outside the "
                                f"staleness bound k = {k} (dsrl.algorithm.max_staleness)")
-        want = [list(p) for p in prompt_ids for _ in range(samples_per_prompt)]
-        got = [list(c.prompt_ids) for c in msg.completions]
-        if got != want:
-            raise RuntimeError(f"{self.role.describe(self.owner)} generated other prompts than the trainer drew for "
-                               f"rollout {rollout + 1} of replica {self.replica}: the two sides' prompt streams "
-                               "diverged (dsrl.data / dsrl.run.seed must be the same on every rank)")
+        same_prompts(msg, prompt_ids, samples_per_prompt, f"{self.role.describe(self.owner)} generated other prompts "
+                     f"than the trainer drew for rollout {rollout + 1} of replica {self.replica}: the two sides' "
+                     "prompt streams diverged (dsrl.data / dsrl.run.seed must be the same on every rank)")
 
     def take_timing(self) -> dict[str, float]:
         out, self.timing = self.timing, {}
@@ -253,3 +282,41 @@ class RemoteRolloutBackend(RolloutBackend):
             self.sender.send(self.version if self.version is not None else self.start_version, None,
                              time.monotonic() + patience)
             self.sender.drain(time.monotonic() + patience)
+
+
+def same_prompts(msg: SampleMessage, prompt_ids: list[list[int]], samples_per_prompt: int, problem: str) -> None:
+    """The message holds ``samples_per_prompt`` completions of each of ``prompt_ids``, in order; else ``problem``."""
+    want = [list(p) for p in prompt_ids for _ in range(samples_per_prompt)]
+    if [list(c.prompt_ids) for c in msg.completions] != want:
+        raise RuntimeError(problem)
+
+
+class RemoteEvaluation(RolloutBackend):
+    """One evaluation by the generator ranks (the module docstring's last rule), as the evaluator sees a backend:
+    ``sync_weights`` publishes the current weights for evaluation (every trainer: a collective gather under ZeRO-3),
+    ``generate`` returns this replica's completions of one evaluation call as its generator sent them."""
+
+    def __init__(self, remote: RemoteRolloutBackend):
+        self.remote = remote
+        self.version: int | None = None
+
+    def sync_weights(self) -> None:
+        r = self.remote
+        self.version = r.publish(evaluate=True)
+        r.ahead = True  # the next rollout generates with this version: nothing more to publish
+
+    def generate(self, prompt_ids: list[list[int]], samples_per_prompt: int, seed: int) -> list[Completion]:
+        r = self.remote
+        if self.version is None:
+            raise RuntimeError("RemoteEvaluation.sync_weights() must run before generate()")
+        msg = r.receive(r.eval_receiver, f"evaluation completions of version {self.version}",
+                        f"the evaluation after rollout {self.version}")
+        if msg is None:
+            return []
+        if msg.rollout != self.version or msg.replica != r.replica:
+            raise RuntimeError(f"expected the evaluation of version {self.version} for replica {r.replica} from "
+                               f"{r.role.describe(r.owner)}, got version {msg.rollout} of replica {msg.replica}")
+        same_prompts(msg, prompt_ids, samples_per_prompt, f"{r.role.describe(r.owner)} evaluated other prompts than "
+                     f"the trainers for replica {r.replica}: the two sides' evaluation prompts differ (dsrl.eval, "
+                     "dsrl.data and dsrl.run.seed must be the same on every rank)")
+        return msg.completions

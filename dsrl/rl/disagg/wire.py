@@ -5,17 +5,19 @@ Three kinds of message, each on its own channel so that every pair of ranks sees
 - **control** (sync group, broadcast from trainer 0): one JSON document, sent once at start-up: where the
   run (re)starts, the prompt sampler's state, the staleness bound, which trainer rank is each replica's
   source, and the weights' layout (:class:`WeightLayout`);
-- **weights** (sync group, broadcast from trainer 0): a header ``[version, stop]`` (int64), then, unless
+- **weights** (sync group, broadcast from trainer 0): a header ``[version, stop, evaluate]`` (int64), then, unless
   ``stop``, the policy's ``state_dict`` in the layout's order as a byte stream cut into buckets of at most
   ``dsrl.memory.weight_sync_bucket_mib`` (:mod:`dsrl.core.buckets`), each one broadcast, so neither side holds
   a second whole copy of the model: trainer 0 packs a bucket while the one before travels, the generator unpacks
   a bucket into its model while the next arrives. The generator posts the receive of the next header before
   it generates; trainer 0's send completes once the generators take the buckets (with k >= 1 after the
   generation in progress, which the trainers wait for anyway: its samples come first) (:class:`WeightSender`,
-  :class:`WeightReceiver`);
+  :class:`WeightReceiver`); ``evaluate``: the generators evaluate this version (``dsrl.eval``) before generating on;
 - **samples** (bridge, point to point, generator -> a replica's source trainer): a header
   ``[rollout, replica, version, bytes, generation microseconds, idle microseconds]`` (int64), then the
-  completions encoded with :mod:`dsrl.rl.data.codec` (exact, bit for bit).
+  completions encoded with :mod:`dsrl.rl.data.codec` (exact, bit for bit). An evaluation's completions travel the
+  same way under tags of their own (:data:`EVAL_TAGS`; ``rollout`` = the version evaluated), so they never mix
+  with a rollout's.
 
 Invariant: the layout is the trainer's ``state_dict`` order and both sides derive the buffers from it, so a
 weight lands in the generator's tensor of the same name, bit for bit (dtype conversions included).
@@ -42,6 +44,7 @@ from dsrl.rl.data.codec import decode_sample, encode_sample
 from dsrl.rollout.base import Completion
 
 SAMPLE_HEADER, SAMPLE_PAYLOAD = 0, 1  # bridge tags
+SAMPLE_TAGS, EVAL_TAGS = (SAMPLE_HEADER, SAMPLE_PAYLOAD), (2, 3)  # a rollout's samples; an evaluation's
 _LEN = struct.Struct("<I")
 POLL_S = 0.05
 
@@ -230,7 +233,7 @@ class WeightSender:
         self.group, self.layout = group, layout
         self.staging = layout.staging()
         self.pending: list[Any] = []
-        self._header = torch.zeros(2, dtype=torch.int64)
+        self._header = torch.zeros(3, dtype=torch.int64)
 
     def drain(self, deadline: float | None = None) -> float:
         t0 = time.perf_counter()
@@ -240,11 +243,13 @@ class WeightSender:
         self.pending = []
         return time.perf_counter() - t0
 
-    def send(self, version: int, state: Mapping[str, torch.Tensor] | None, deadline: float | None = None) -> float:
-        """Send version ``version`` (``state`` None: the stop message); returns the seconds spent waiting for the
-        generators to take earlier buckets (TimeoutError past ``deadline``, RuntimeError if one is gone)."""
+    def send(self, version: int, state: Mapping[str, torch.Tensor] | None, deadline: float | None = None,
+             evaluate: bool = False) -> float:
+        """Send version ``version`` (``state`` None: the stop message; ``evaluate``: the generators evaluate it);
+        returns the seconds spent waiting for the generators to take earlier buckets (TimeoutError past
+        ``deadline``, RuntimeError if one is gone)."""
         waited = self.drain(deadline)
-        self._header.copy_(torch.tensor([version, int(state is None)]))
+        self._header.copy_(torch.tensor([version, int(state is None), int(evaluate)]))
         self.pending.append(_broadcast(self.group, self._header))
         if state is None:
             return waited
@@ -272,18 +277,19 @@ class WeightReceiver:
     def __init__(self, group: Any, layout: WeightLayout):
         self.group, self.layout = group, layout
         self.staging = layout.staging()
-        self.header = torch.zeros(2, dtype=torch.int64)
+        self.header = torch.zeros(3, dtype=torch.int64)
         self.work: Any = None
 
     def post(self) -> None:
         self.work = _broadcast(self.group, self.header)
 
-    def take(self, deadline: float | None = None) -> tuple[int, bool] | None:
-        """(version, stop) of the posted header once it arrived; None if ``deadline`` passed first."""
+    def take(self, deadline: float | None = None) -> Received | None:
+        """The posted header once it arrived (:class:`Received`; the buckets follow, :meth:`receive_into`); None if
+        ``deadline`` passed first."""
         if not wait(self.work, deadline):
             return None
-        version, stop = (int(x) for x in self.header.tolist())
-        return version, bool(stop)
+        version, stop, evaluate = (int(x) for x in self.header.tolist())
+        return Received(version, bool(stop), bool(evaluate) and not stop)
 
     def receive_into(self, state: Mapping[str, torch.Tensor] | None, deadline: float | None = None) -> bool:
         """The buckets of the version whose header :meth:`take` returned, unpacked into ``state`` in place (None:
@@ -299,6 +305,16 @@ class WeightReceiver:
             if i + 2 < n:
                 works.append(_broadcast(self.group, self.staging[i % 2][:sizes[i + 2]]))
         return True
+
+
+@dataclass(frozen=True)
+class Received:
+    """A weights header as the generator took it: the version, whether it is the stop message, whether to evaluate
+    the version (``dsrl.eval``)."""
+
+    version: int
+    stop: bool
+    evaluate: bool
 
 
 # -- samples --------------------------------------------------------------------------------------------------
@@ -333,31 +349,33 @@ class SampleMessage:
     idle_s: float = 0.0
 
 
-def send_samples(bridge: Any, dst: int, msg: SampleMessage) -> list[Any]:
-    """Post the message to global rank ``dst``; returns the operations (keep their tensors alive until done)."""
+def send_samples(bridge: Any, dst: int, msg: SampleMessage, tags: tuple[int, int] = SAMPLE_TAGS) -> list[Any]:
+    """Post the message to global rank ``dst`` (``tags``: :data:`SAMPLE_TAGS`, or :data:`EVAL_TAGS` for an
+    evaluation's); returns the operations (keep their tensors alive until done)."""
     payload = torch.from_numpy(np.frombuffer(encode_completions(msg.completions), dtype=np.uint8).copy())
     header = torch.tensor([msg.rollout, msg.replica, msg.version, payload.numel(), int(msg.generation_s * 1e6),
                            int(msg.idle_s * 1e6)], dtype=torch.int64)
-    return [(bridge.send([header], dst, SAMPLE_HEADER), header), (bridge.send([payload], dst, SAMPLE_PAYLOAD), payload)]
+    return [(bridge.send([header], dst, tags[0]), header), (bridge.send([payload], dst, tags[1]), payload)]
 
 
 class SampleReceiver:
-    """A source trainer's side: the next message from one generator, with a deadline and an interrupt."""
+    """A source trainer's side: the next message from one generator on ``tags``, with a deadline and an
+    interrupt."""
 
-    def __init__(self, bridge: Any, src: int):
-        self.bridge, self.src = bridge, src
+    def __init__(self, bridge: Any, src: int, tags: tuple[int, int] = SAMPLE_TAGS):
+        self.bridge, self.src, self.tags = bridge, src, tags
         self.header = torch.zeros(6, dtype=torch.int64)
         self.work = None
 
     def receive(self, deadline: float | None = None, interrupt: Any = None) -> SampleMessage | None:
         """The message, or None if the deadline passed or the interrupt fired (the receive stays posted)."""
         if self.work is None:
-            self.work = self.bridge.recv([self.header], self.src, SAMPLE_HEADER)
+            self.work = self.bridge.recv([self.header], self.src, self.tags[0])
         if not wait(self.work, deadline, interrupt):
             return None
         self.work = None
         rollout, replica, version, size, gen_us, idle_us = (int(x) for x in self.header.tolist())
         payload = torch.zeros(size, dtype=torch.uint8)
-        self.bridge.recv([payload], self.src, SAMPLE_PAYLOAD).wait()
+        self.bridge.recv([payload], self.src, self.tags[1]).wait()
         return SampleMessage(rollout, replica, version, decode_completions(payload.numpy().tobytes()),
                              gen_us / 1e6, idle_us / 1e6)

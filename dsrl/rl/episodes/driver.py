@@ -99,6 +99,12 @@ class EpisodeRunner:
         self._episodes: dict[int, Any] = {}
         self._overflow_told = False
 
+    def with_backend(self, backend: RolloutBackend) -> EpisodeRunner:
+        """The same runner (environment, encoder, bounds, layout, watch) generating with ``backend`` (an evaluation's),
+        timing its turns on a phase clock of its own (the rollouts' phase times stay the rollouts')."""
+        return EpisodeRunner(backend, self.tokenizer, self.env, self.encoder, self.max_turns, self.max_tokens,
+                             self.view, self.device, self.watch)
+
     def run(self, records: list[dict], prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
             labels: list[int] | None = None) -> list[Trajectory]:
         """``len(prompt_ids) * samples_per_prompt`` trajectories grouped per prompt, like ``generate``'s

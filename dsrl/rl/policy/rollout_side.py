@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 class RolloutSideSettings:
     """What of the run file the rollout side reads: its sections ``model``, ``rollout`` and ``memory`` (vLLM's sleep
     level, the weight-sync buckets), G (``batch.samples_per_prompt``), the run's seed, the longest sequence
-    generation makes (``DsrlConfig.max_generation_tokens``), and the shape of a rollout's calls that continuous
-    batching's bounds and ``auto`` read (new tokens per call, calls per rollout)."""
+    generation makes (``DsrlConfig.max_generation_tokens``) and the longest an evaluation's makes
+    (``DsrlConfig.max_eval_generation_tokens``: a vLLM engine is sized for both), and the shape of a rollout's calls
+    that continuous batching's bounds and ``auto`` read (new tokens per call, calls per rollout)."""
 
     model: ModelConfig
     rollout: RolloutConfig
@@ -57,6 +58,7 @@ class RolloutSideSettings:
     max_generation_tokens: int
     new_tokens_per_call: int  # rollout.max_new_tokens; with an environment per model turn, within the trajectory
     calls_per_rollout: int  # generate calls per rollout at most: model turns (max_turns) x dynamic-sampling rounds
+    max_eval_generation_tokens: int = 0
 
     @classmethod
     def of(cls, d: DsrlConfig) -> RolloutSideSettings:
@@ -67,7 +69,7 @@ class RolloutSideSettings:
         dynamic = ALGORITHM_DEFAULTS[a.name]["dynamic_sampling"] if a.dynamic_sampling is None else a.dynamic_sampling
         calls = (r.max_turns if d.multi_turn else 1) * (a.max_sampling_rounds if dynamic else 1)
         return cls(d.model, d.rollout, d.memory, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens,
-                   new_tokens, calls)
+                   new_tokens, calls, d.max_eval_generation_tokens)
 
 
 class RolloutSide:
@@ -138,8 +140,8 @@ class RolloutSide:
             return {"bounds": self.call_bounds(prompts_per_call)}
         from dsrl.core.buckets import bucket_bytes
 
-        return {"max_model_len": st.max_generation_tokens, "samples_per_prompt": st.samples_per_prompt,
-                "seed": st.seed, "sleep_level": st.memory.vllm_sleep_level,
+        return {"max_model_len": max(st.max_generation_tokens, st.max_eval_generation_tokens),
+                "samples_per_prompt": st.samples_per_prompt, "seed": st.seed, "sleep_level": st.memory.vllm_sleep_level,
                 "bucket_bytes": bucket_bytes(st.memory.weight_sync_bucket_mib)}
 
     def call_bounds(self, prompts_per_call: int) -> CallBounds:

@@ -14,7 +14,8 @@ The order is the contract:
    the policy actor (engine, KL reference, MoE routing, loss), the reward model, the critic (the training engines
    and frozen models registered with the memory offload, ``dsrl.memory``), the rollout backend
    (or the generators' remote one), the scorer, the multi-turn runner, the experience maker, the run state and
-   its checkpointer; then the resume, and the metrics writer positioned after it.
+   its checkpointer; then the resume, the metrics writer positioned after it, and the evaluator (``dsrl.eval``,
+   whose prompts were loaded and checked with the others in step 2).
 
 Every rank builds the same parts from the same run file; weights are identical on every rank because the run seed
 is set before any model is built.
@@ -22,6 +23,7 @@ is set before any model is built.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +45,12 @@ from dsrl.core.plan import BatchPlan
 from dsrl.core.routes import MoELayout
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.critic import Critic, NoCritic, build_critic, prepare_critic
+from dsrl.rl.data.evalset import EvalPrompts, prompts_per_call
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.disagg.roles import Role
 from dsrl.rl.empty_rollouts import EmptyRollouts
 from dsrl.rl.episodes.environment import EnvironmentCaller
+from dsrl.rl.evaluation import EvalSettings, Evaluator
 from dsrl.rl.experience import ExperienceMaker, ExperienceSettings
 from dsrl.rl.policy.actor import ActorSettings, PolicyActor
 from dsrl.rl.policy.rollout_side import RolloutSide, RolloutSideSettings
@@ -61,6 +65,8 @@ from dsrl.runtime.peers import Peers
 from dsrl.runtime.phases import PhaseClock
 from dsrl.runtime.stop import StopControl
 from dsrl.runtime.watchdog import Watch
+
+log = logging.getLogger("dsrl.rl.trainer")
 
 
 @dataclass
@@ -89,6 +95,7 @@ class RunParts:
     stop_policy: StopPolicy
     metrics: MetricsWriter
     resumed: bool
+    evaluator: Evaluator
 
 
 @dataclass
@@ -102,6 +109,7 @@ class CheckedRun:
     spec: EngineSpec
     critic_spec: EngineSpec | None
     moe_layout: MoELayout | None
+    eval_prompts: EvalPrompts | None  # None: no evaluation during training (eval.every = 0)
 
 
 def check_run(cfg: Config, world: int, gpu: bool, role: Role | None) -> CheckedRun:
@@ -109,7 +117,8 @@ def check_run(cfg: Config, world: int, gpu: bool, role: Role | None) -> CheckedR
     function and environment, the whole run file (the plan, the ds_config, the layout: checked once, before the
     model is built, and the plan, ds_config and schedule made here are the ones the engine is built from), the
     policy model (one build of the rollout side) and, colocated, the rollout backend this rank will build (a
-    generator rank checks the one it builds itself); the MoE settings on every rank."""
+    generator rank checks the one it builds itself); the MoE settings on every rank; the evaluation prompts
+    (``eval.every`` > 0)."""
     from dsrl.rl.episodes.environment import load_environment
     from dsrl.rl.policy.model import resolve_dtype
     from dsrl.rl.rewards.functions import load_reward_fn
@@ -125,7 +134,14 @@ def check_run(cfg: Config, world: int, gpu: bool, role: Role | None) -> CheckedR
     side.build_model()
     if role is None:
         side.check()
-    return CheckedRun(side, prompts, reward_fn, environment, spec, critic_spec, side.check_moe())
+    moe = side.check_moe()
+    eval_prompts = None
+    if d.eval.every:
+        from dsrl.rl.data.evalset import load_eval_prompts
+
+        eval_prompts = load_eval_prompts(d.eval, d.data, d.run.seed, side.tokenizer, train_records=prompts.records,
+                                         asked_by=f"dsrl.eval.every = {d.eval.every}")
+    return CheckedRun(side, prompts, reward_fn, environment, spec, critic_spec, moe, eval_prompts)
 
 
 def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] | None = None,
@@ -209,9 +225,21 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
     resumed = checkpointer.resume()
     metrics = MetricsWriter(d.run.output_dir, rank, actor.engine.monitor,
                             resume_at=(state.rollout, actor.engine.optimizer_steps) if resumed else None)
+    # Held-out evaluation: the run's backend under the evaluation's sampling, each call as many sequences as a
+    # training call (continuous batching's bounds), its progress in the run's state (dsrl.rl.evaluation).
+    per_call = prompts_per_call(plan.prompts_per_rank, plan.samples_per_prompt, d.eval.samples_per_prompt)
+    evaluator = Evaluator(EvalSettings.of(d, plan.rollouts), checked.eval_prompts, backend, scorer, tok, actor.view,
+                          actor.device, per_call, episodes=episodes, stop=stop, watch=watch, metrics=metrics,
+                          progress=state.evaluation, rank=rank)
+    if rank == 0 and checked.eval_prompts is not None:
+        log.info("evaluation every %d rollouts on %s", d.eval.every, evaluator.describe())
+        if checked.eval_prompts.overlap:
+            log.warning("dsrl.eval: the evaluation prompts are not held out: %s; they are the task's whole prompt "
+                        "space (set dsrl.data.size lower to hold some out, or dsrl.eval.path to prompts of your own)",
+                        checked.eval_prompts.overlap)
     return RunParts(cfg, role, rank, world, stop, peers, run_dir, plan, tok, prompts, actor, critic, backend,
                     experience, watch, phases, memory, state, checkpointer, StopPolicy.of(d.run, plan.rollouts),
-                    metrics, resumed)
+                    metrics, resumed, evaluator)
 
 
 def match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) -> None:
