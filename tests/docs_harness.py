@@ -118,6 +118,8 @@ def check_json_block(b: Block) -> list[str]:
         raw = _parse_json_block(b.text)
     except json.JSONDecodeError as e:
         return [f"{b.where()}: not JSON ({e})"]
+    if b.marker and "row" in b.marker:  # <!-- a metrics.jsonl row --> and the like: JSON, not a run file
+        return []
     excerpt, fragment = _marked_file(b.marker, "excerpt"), _marked_file(b.marker, "fragment")
     for f in (excerpt, fragment):
         if f is not None and not f.is_file():
@@ -341,6 +343,8 @@ def _check_target(args: list[str]) -> list[str]:
         module, rest = args[1], args[2:]
         if module == "pytest":
             return check_pytest(rest)
+        if module == "dsrl.cli":  # the package's __main__: the dsrl command
+            return check_command(["dsrl", *rest])
         if module.startswith("dsrl"):
             main = _module_main("dsrl.cli.check" if module == "dsrl.check" else module)
             return _check_entry(f"python -m {module}", lambda: main(rest), rest, overrides_ok=True)
@@ -465,7 +469,8 @@ def repo_paths(text: str) -> set[str]:
     """Repository paths a doc names in code (spans and blocks): ``configs/...``, ``bench/...``, ``docs/...`` ..."""
     code = " ".join(re.findall(r"^```.*?^```", text, re.M | re.S) + re.findall(r"`[^`\n]+`", prose(text)))
     pattern = r"(?<![\w./$-])((?:{})/[\w./*<>{{}}-]*[\w*>}}])".format("|".join(REPO_DIRS))
-    return {m.group(1) for m in re.finditer(pattern, code) if not re.search(r"[*<>{}]", m.group(1))}
+    return {m.group(1) for m in re.finditer(pattern, code + " ")
+            if not re.search(r"[*<>{}]", m.group(1)) and not re.match(r"/?\.\.\.", code[m.end(1):])}
 
 
 def check_paths(text: str, doc: Path) -> list[str]:

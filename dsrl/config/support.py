@@ -218,8 +218,8 @@ RULES: tuple[Rule, ...] = (
          "'colocated'."),
     Rule("autotp-vllm", {"backend": Is(VLLM_BACKEND), "autotp_size": _AUTOTP},
          "rollout.backend = 'vllm' with tensor_parallel.autotp_size = {autotp_size}: the vLLM engine takes whole "
-         "weights, which AutoTP shards. Fix: use rollout.backend = 'hf' or 'cb' under AutoTP, or set autotp_size to "
-         "1 (ZeRO-3 shards the training state instead)."),
+         "weights, which AutoTP shards. Fix: use rollout.backend = 'hf' (or 'auto', which picks hf) under AutoTP, "
+         "or set autotp_size to 1 (ZeRO-3 shards the training state instead)."),
     Rule("autotp-cb", {"backend": OneOf((CB_BACKEND,)), "autotp_size": _AUTOTP},
          "rollout.backend = {backend!r} with tensor_parallel.autotp_size = {autotp_size}: continuous batching sizes "
          "its paged KV cache from the model's config while AutoTP leaves each rank a share of the attention heads, "

@@ -224,6 +224,8 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
     kept_backend = {k: v for k, v in backend.items() if k in ("cb_kv_cache", "vllm_engine")}
     if m.vllm_sleeps:
         kept_backend.pop("vllm_engine", None)
+    if m.offload_states:  # continuous batching's manager is destroyed after generation (release_between_calls)
+        kept_backend.pop("cb_kv_cache", None)
     b = wb  # activations in the weights' dtype
 
     # generation

@@ -28,13 +28,15 @@ __all__ = ["Completion", "RolloutBackend", "make_backend"]
 
 
 def make_backend(rollout_cfg: RolloutConfig, engine: GenerationPolicy, tokenizer: PreTrainedTokenizerBase, *,
-                 bounds: CallBounds | None = None, **kwargs: Any) -> RolloutBackend:
+                 bounds: CallBounds | None = None, release_between_calls: bool = False,
+                 **kwargs: Any) -> RolloutBackend:
     """The backend named by ``rollout.backend`` (:data:`dsrl.config.names.ROLLOUT_BACKENDS`, validated by the
     config): ``hf`` (transformers generate on the policy), ``cb`` (transformers continuous batching on the
     policy), ``auto`` (per call one of these two, see :mod:`dsrl.rollout.auto`) or ``vllm`` (a vLLM engine;
     ``kwargs`` go to :class:`dsrl.rollout.vllm.VLLMRolloutBackend`). ``bounds``
     (:class:`dsrl.rollout.cb.CallBounds`, the run's largest call) lets ``cb`` and ``auto`` keep one
-    continuous-batching manager for the whole run."""
+    continuous-batching manager for the whole run; ``release_between_calls`` (``dsrl.memory.offload_states``)
+    destroys it after each rollout's generation instead."""
     name = rollout_cfg.backend
     if name == HF_BACKEND:
         from dsrl.rollout.hf import HFRolloutBackend
@@ -43,11 +45,13 @@ def make_backend(rollout_cfg: RolloutConfig, engine: GenerationPolicy, tokenizer
     if name == CB_BACKEND:
         from dsrl.rollout.cb import ContinuousBatchingBackend
 
-        return ContinuousBatchingBackend(engine, tokenizer, rollout_cfg, bounds=bounds)
+        return ContinuousBatchingBackend(engine, tokenizer, rollout_cfg, bounds=bounds,
+                                         release_between_calls=release_between_calls)
     if name == AUTO_BACKEND:
         from dsrl.rollout.auto import AutoRolloutBackend
 
-        return AutoRolloutBackend(engine, tokenizer, rollout_cfg, bounds=bounds)
+        return AutoRolloutBackend(engine, tokenizer, rollout_cfg, bounds=bounds,
+                                  release_between_calls=release_between_calls)
     from dsrl.rollout.vllm import VLLMRolloutBackend
 
     return VLLMRolloutBackend(engine, tokenizer, rollout_cfg, **kwargs)

@@ -190,11 +190,13 @@ class AutoRolloutBackend(RolloutBackend):
     is not a transformers model)."""
 
     def __init__(self, engine_or_module: GenerationPolicy, tokenizer: PreTrainedTokenizerBase,
-                 rollout_cfg: RolloutConfig, bounds: CallBounds | None = None):
+                 rollout_cfg: RolloutConfig, bounds: CallBounds | None = None, release_between_calls: bool = False):
+        """``release_between_calls``: continuous batching's manager is destroyed after each rollout's generation
+        (:class:`dsrl.rollout.cb.ContinuousBatchingBackend`)."""
         self.hf = HFRolloutBackend(engine_or_module, tokenizer, rollout_cfg)
         try:
-            self.cb: ContinuousBatchingBackend | None = ContinuousBatchingBackend(engine_or_module, tokenizer,
-                                                                                  rollout_cfg, bounds=bounds)
+            self.cb: ContinuousBatchingBackend | None = ContinuousBatchingBackend(
+                engine_or_module, tokenizer, rollout_cfg, bounds=bounds, release_between_calls=release_between_calls)
         except (ImportError, TypeError):
             self.cb = None
         self.cfg, self.bounds = rollout_cfg, bounds
@@ -233,6 +235,10 @@ class AutoRolloutBackend(RolloutBackend):
     def close(self) -> None:
         if self.cb is not None:
             self.cb.close()
+
+    def sleep(self) -> None:
+        if self.cb is not None:
+            self.cb.sleep()
 
     def with_sampling(self, rollout_cfg: RolloutConfig) -> AutoRolloutBackend:
         """A new dispatcher on the same policy, choosing per call on its own workload and bounds

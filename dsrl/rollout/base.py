@@ -87,8 +87,9 @@ class RolloutBackend(ABC):
 
     def sleep(self) -> None:  # noqa: B027 - a no-op is the right default
         """Free what the backend holds on the device beyond the policy until the next :meth:`sync_weights` /
-        :meth:`generate` (called after each rollout's generation; ``dsrl.memory.vllm_sleep_level``). Nothing by
-        default: the local backends hold nothing of their own between calls."""
+        :meth:`generate` (called after each rollout's generation): vLLM's engine sleeps
+        (``dsrl.memory.vllm_sleep_level``), continuous batching destroys its kept manager and paged cache under
+        ``dsrl.memory.offload_states``. Nothing by default: ``hf`` holds nothing of its own between calls."""
 
     def take_timing(self) -> dict[str, float]:
         """Seconds spent on the rollout side since the last call, by name, and reset: ``wait_s`` (waiting for

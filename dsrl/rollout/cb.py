@@ -237,11 +237,14 @@ class ContinuousBatchingBackend(RolloutBackend):
 
     Same constructor arguments and contract as :class:`dsrl.rollout.hf.HFRolloutBackend` (whose
     unwrapping, eos/pad resolution and generation config it reuses); ``rollout.generation_batch_size``
-    bounds the prompts whose samples decode at once (:func:`cache_geometry`).
+    bounds the prompts whose samples decode at once (:func:`cache_geometry`). ``release_between_calls``
+    (``dsrl.memory.offload_states``): :meth:`sleep` destroys the kept manager after each rollout's generation, so its
+    paged cache does not stay on the device through training (the next call builds a new one, CUDA graphs
+    captured again).
     """
 
     def __init__(self, engine_or_module: GenerationPolicy, tokenizer: PreTrainedTokenizerBase,
-                 rollout_cfg: RolloutConfig, bounds: CallBounds | None = None):
+                 rollout_cfg: RolloutConfig, bounds: CallBounds | None = None, release_between_calls: bool = False):
         try:
             import transformers
             from transformers import ContinuousBatchingConfig
@@ -253,7 +256,7 @@ class ContinuousBatchingBackend(RolloutBackend):
                               f"has no {', '.join(missing)})")
         self._hf = HFRolloutBackend(engine_or_module, tokenizer, rollout_cfg)
         self.module, self.policy, self.cfg, self.eos = self._hf.module, self._hf.policy, rollout_cfg, self._hf.eos
-        self.bounds = bounds
+        self.bounds, self.release_between_calls = bounds, release_between_calls
         self._num_params: int | None = None
         self._session: Session | None = None
         self._attn: str | None = self.module.config._attn_implementation if hasattr(self.module, "config") else None
@@ -347,6 +350,11 @@ class ContinuousBatchingBackend(RolloutBackend):
     def close(self) -> None:
         """Destroy the kept manager (its paged cache, CUDA graphs and memory pool)."""
         self._drop_session()
+
+    def sleep(self) -> None:
+        """With ``release_between_calls``: the kept manager destroyed until the next call (class docstring)."""
+        if self.release_between_calls:
+            self._drop_session()
 
     def with_sampling(self, rollout_cfg: RolloutConfig) -> ContinuousBatchingBackend:
         """A new continuous-batching backend on the same policy (its own manager, released by its ``close``), bounded

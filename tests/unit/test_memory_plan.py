@@ -181,6 +181,8 @@ def test_settings_move_the_parts_they_should():
     assert z3["generation"].parts["gathered_weights"] == z2["generation"].parts["weights"]
     cb, _, _ = _phases(_cfg(rollout={"backend": "cb"}))
     assert cb["training"].parts["cb_kv_cache"] == cb["generation"].parts["cb_kv_cache"] > 0  # kept all run
+    cb_off, _, _ = _phases(_cfg(rollout={"backend": "cb"}, memory={"offload_states": True}))
+    assert cb_off["generation"].parts["cb_kv_cache"] > 0 and "cb_kv_cache" not in cb_off["training"].parts
     assert "kv_cache" not in base["training"].parts
 
 

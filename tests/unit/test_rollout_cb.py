@@ -274,3 +274,28 @@ def test_a_kept_manager_sees_every_optimizer_step(planted, monkeypatch):
     cb.close()
     assert (cb.calls, cb.managers_built) == (4, 1)
     assert any(differs) if planted else not any(differs), differs
+
+
+def test_with_the_offload_cb_releases_its_cache_after_each_rollout_and_samples_alike():
+    """memory.offload_states: sleep() after a rollout's generation destroys the kept manager (its paged cache and
+    graphs leave the device through training); the next call builds a new one and samples exactly what a kept
+    manager samples with the same seed. Without the setting sleep() keeps it (the planted counterpart)."""
+    model = tiny()
+    bounds = CallBounds(8, 32)
+    released = ContinuousBatchingBackend(model, TOK, rollout(temperature=1.0), bounds=bounds,
+                                         release_between_calls=True)
+    kept = ContinuousBatchingBackend(model, TOK, rollout(temperature=1.0), bounds=bounds)
+    try:
+        for seed in (3, 4):
+            a = released.generate(PROMPTS[:3], 2, seed=seed)
+            b = kept.generate(PROMPTS[:3], 2, seed=seed)
+            assert as_tuples(a) == as_tuples(b)
+            released.sleep()
+            kept.sleep()
+            assert released._session is None and kept._session is not None
+        assert (released.calls, released.managers_built) == (2, 2) and (kept.calls, kept.managers_built) == (2, 1)
+        auto = make_backend(rollout(backend="auto"), model, TOK, bounds=bounds, release_between_calls=True)
+        assert auto.cb is not None and auto.cb.release_between_calls
+    finally:
+        released.close()
+        kept.close()

@@ -136,8 +136,8 @@ class RolloutSide:
         """What a backend needs beyond the rollout settings: a vLLM engine its sizes and seed; continuous batching
         (``cb``, ``auto``) the run's largest call (:meth:`call_bounds`), so one manager serves every rollout."""
         st = self.settings
-        if st.rollout.backend != VLLM_BACKEND:
-            return {"bounds": self.call_bounds(prompts_per_call)}
+        if st.rollout.backend != VLLM_BACKEND:  # with the offload, cb's cache leaves the device after generation too
+            return {"bounds": self.call_bounds(prompts_per_call), "release_between_calls": st.memory.offload_states}
         from dsrl.core.buckets import bucket_bytes
 
         return {"max_model_len": max(st.max_generation_tokens, st.max_eval_generation_tokens),
