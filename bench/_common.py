@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -232,12 +233,13 @@ def command_line() -> str:
     return f"python {script} {' '.join(sys.argv[1:])}".strip()
 
 
-BENCH_OUT_ENV = "DSRL_BENCH_OUT"  # bench/gpu.py: where report() also writes {"title", "command", "body"} as JSON
+# bench/gpu/measure.py: where report() also writes {"title", "command", "body"} as JSON
+BENCH_OUT_ENV = "DSRL_BENCH_OUT"
 
 
 def report(title: str, body: str, dry_run: bool = False) -> None:
     """Print ``body`` (``--no-record``) or append it to docs/benchmarks.md with the command that ran; also
-    write it as JSON to ``$DSRL_BENCH_OUT`` when set (how bench/gpu.py collects its parts)."""
+    write it as JSON to ``$DSRL_BENCH_OUT`` when set (how bench/gpu/measure.py collects its parts)."""
     out = os.environ.get(BENCH_OUT_ENV)
     if out:
         import json
@@ -257,6 +259,76 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- launching a benchmark's processes: run_process (a fresh process) and spawn_ranks (a gloo job of functions) ------
+
+
+@dataclass
+class Finished:
+    """How a benchmark process ended: ``ok``, ``failed`` (``output`` holds the end of what it printed) or ``timeout``
+    (stopped past its bound, with its whole process group)."""
+
+    status: str
+    returncode: int | None
+    output: str
+    seconds: float
+
+
+def bench_env(device: str, *, one_rank: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a benchmark process: this checkout's dsrl first on ``PYTHONPATH``, on the CPU DeepSpeed's
+    CPU accelerator and one intra-op thread per process (every side alike), no tokenizer threads; ``one_rank``: a
+    world of one rank (a dsrl Trainer run without a launcher)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **extra}
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if one_rank:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    return env
+
+
+def run_process(argv: list[str], *, env: dict[str, str], timeout: float | None = None, log: Path | None = None,
+                cwd: Path = REPO) -> Finished:
+    """Run ``argv`` from ``cwd`` in a process group of its own for at most ``timeout`` seconds (then the whole group:
+    SIGTERM, and SIGKILL 10 s later), its output to ``log`` or kept (the end of it, for a failure's message)."""
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    t0 = time.perf_counter()
+    with (open(log, "w") if log is not None else tempfile.TemporaryFile("w+")) as f:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=None if timeout is None else max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            rc = None
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=10)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        output = ""
+        if log is None:
+            f.seek(0)
+            output = f.read()[-6000:]
+    status = "timeout" if rc is None else "ok" if rc == 0 else "failed"
+    return Finished(status, rc, output, time.perf_counter() - t0)
+
+
+def spawn_ranks(fn: Any, world: int, *args: Any) -> None:
+    """``fn(rank, world, master_port, *args)`` on ``world`` local processes (a gloo job of this benchmark); each ends
+    through :func:`end_rank`."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
 
 
 def end_rank(path: str | Path, result: dict) -> None:

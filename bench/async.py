@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _common import REPO, report, table
+from _common import REPO, bench_env, report, run_process, table
 
 SHAPES = {
     # generation and training of comparable cost on one CPU thread
@@ -64,16 +61,13 @@ def run_file(args: argparse.Namespace, placement: str, k: int, tmp: Path) -> Pat
 
 
 def launch(path: Path, ranks: int, out: Path, device: str) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
+    """The job on ``ranks`` processes under DeepSpeed's launcher; its seconds."""
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "launch/train.py",
            "--ds_config", str(path), "--dsrl.run.output_dir", str(out)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - t0
+    done = run_process(cmd, env=bench_env(device, OMP_NUM_THREADS="1"))
+    if done.status != "ok":
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.output}")
+    return done.seconds
 
 
 def phases(out: Path, skip: int) -> dict[str, float]:

@@ -4,7 +4,7 @@ generation seconds per rollout of each backend and what ``auto`` picks there.
 
     python bench/auto_grid.py                 # the CPU grid (33 cells, about 35 minutes on 2 shared cores)
     python bench/auto_grid.py --quick         # 8 of its cells, the corners (about 6 minutes)
-    python bench/auto_grid.py --device cuda   # the GPU cells (bench/gpu.py's auto-grid part: 0.5B shape, bf16)
+    python bench/auto_grid.py --device cuda   # the GPU cells (bench/gpu/measure.py's auto-grid part: 0.5B shape, bf16)
     python bench/auto_grid.py --smoke --no-record   # two tiny cells, one pair each (the test suite)
     python bench/auto_grid.py --shapes tiny --concurrency 8 64 --max_new_tokens 8 32   # any sub-grid
 
@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, SHAPES, free_port, report, table
+from _common import SHAPES, bench_env, report, run_process, table
 
 G = 4  # samples per prompt
 MEAN_LEN = {8: 12.0, 16: 12.0, 32: 12.0, 64: 16.0, 256: 32.0}  # eos probability 1/mean per step, per L
@@ -225,22 +224,10 @@ def cell_result(cell: Cell, info: dict[str, Any], rows: list[dict[str, Any]]) ->
 def measure(cells: list[Cell], timeout: float) -> list[dict[str, Any]]:
     """``cells`` in one fresh process (at most ``timeout`` seconds): one result per cell, with ``status``."""
     with tempfile.TemporaryDirectory(prefix="auto_grid_") as tmp:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-               "LOCAL_RANK": "0", "TOKENIZERS_PARALLELISM": "false"}
-        if cells[0].device == "cpu":
-            env["DS_ACCELERATOR"] = "cpu"
-            env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, __file__, "--worker", json.dumps([asdict(c) for c in cells]), "--out", tmp]
-        t0 = time.perf_counter()
-        status, error = "ok", ""
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode != 0:
-                status, error = "failed", (proc.stdout[-1000:] + "\n" + proc.stderr[-2000:]).strip()
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-        wall = time.perf_counter() - t0
+        done = run_process(cmd, env=bench_env(cells[0].device, one_rank=True), timeout=timeout)
+        status, error = done.status, (done.output.strip()[-3000:] if done.status == "failed" else "")
+        wall = done.seconds
         results = []
         for i, cell in enumerate(cells):
             try:

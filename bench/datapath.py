@@ -45,7 +45,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from _common import end_rank, free_port, report, rl_lengths, table
+from _common import end_rank, report, rl_lengths, spawn_ranks, table
 
 VOCAB = 151_936
 TARGET = 0.10
@@ -235,8 +235,6 @@ def main() -> None:
                     help="LAYERS,TOP_K: samples carry an MoE policy's routes (routing replay), e.g. 48,8")
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to docs/benchmarks.md")
     args = ap.parse_args()
-    import torch.multiprocessing as mp
-
     ranks = [int(x) for x in args.ranks.split(",")]
     rows, checks, fit_rows, meta_per_sample = [], [], None, []
     per_token: dict[str, list[float]] = {"all-gather": [], "all-to-all": []}
@@ -244,7 +242,7 @@ def main() -> None:
         for world in ranks:
             got = {}
             for path in ("all-gather", "all-to-all"):
-                mp.spawn(rank_main, args=(world, free_port(), path, args, out_dir), nprocs=world, join=True)
+                spawn_ranks(rank_main, world, path, args, out_dir)
                 got[path] = [json.loads(Path(out_dir, f"{path}-{world}-{r}.json").read_text()) for r in range(world)]
             local = [x for res in got["all-to-all"] for x in res["local"]]
             fit_rows = fit_rows or local

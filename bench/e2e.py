@@ -73,14 +73,12 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from typing import Any
 
-from _common import REPO, SHAPES, free_port, report
+from _common import SHAPES, bench_env, report, run_process
 from _e2e_report import census_table, combine, results_table, verdict_table
 from _e2e_workers import DEFAULT_BACKEND, WorkerOutput, Workload, dsrl_records, run_dsrl, run_trl
 
@@ -126,21 +124,12 @@ def run_worker(side: str, w: Workload, timeout: float | None = None) -> dict[str
     its metrics rows, read here) or ``failed`` (``error`` holds the end of its output)."""
     with tempfile.TemporaryDirectory(prefix="e2e_worker_") as tmp:
         path, run_dir = os.path.join(tmp, "out.json"), os.path.join(tmp, "run")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-               "LOCAL_RANK": "0", "TOKENIZERS_PARALLELISM": "false"}
-        if w.device == "cpu":  # the same intra-op threads on every side (accelerate would pick its own)
-            env.setdefault("OMP_NUM_THREADS", "1")
+        # one rank; on the CPU one intra-op thread on every side (accelerate would pick its own)
+        env = bench_env(w.device, one_rank=True)
         cmd = [sys.executable, __file__, "--worker", side, "--workload", json.dumps(asdict(w)), "--out", path,
                "--run_dir", run_dir]
-        t0 = time.perf_counter()
-        status, error = "ok", ""
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode != 0:
-                status, error = "failed", (proc.stdout[-1500:] + "\n" + proc.stderr[-3000:]).strip()
-        except subprocess.TimeoutExpired:
-            status = "timeout"
+        done = run_process(cmd, env=env, timeout=timeout)
+        status, error = done.status, (done.output.strip() if done.status == "failed" else "")
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -148,7 +137,7 @@ def run_worker(side: str, w: Workload, timeout: float | None = None) -> dict[str
             data = {"side": side, "records": [], "census": None, "profile": None}
         if side in DSRL_SIDES:
             data["records"] = dsrl_records(run_dir, w)
-        data.update(status=status, error=error, seconds=time.perf_counter() - t0)
+        data.update(status=status, error=error, seconds=done.seconds)
         return data
 
 
@@ -306,7 +295,7 @@ def describe(w: Workload, repeats: int, gpu: bool, picks: dict[str, str] | None 
 
 
 def _dump(path: str | None, runs: dict[str, dict[str, Any]]) -> None:
-    """The results as JSON: one workload as {"workload", "repeats", "results", "auto_picks"} (what bench/gpu.py
+    """The results as JSON: one workload as {"workload", "repeats", "results", "auto_picks"} (what bench/gpu/measure.py
     reads), several as {"workloads": {name: that}}."""
     if not path:
         return

@@ -24,11 +24,10 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
-from _common import report, table
+from _common import bench_env, report, run_process, table
 
 VOCAB, HIDDEN = 151936, 896
 BEFORE_CHUNK_BYTES = 1 << 28  # the float32 rows per chunk of the path before the fused head
@@ -186,10 +185,11 @@ def main() -> None:
         return
     res = {}
     for method in METHODS:
-        out = subprocess.run([sys.executable, __file__, "--worker", method, "--device", a.device, "--rows",
-                              str(a.rows), "--seq", str(a.seq), "--repeats", str(a.repeats)],
-                             capture_output=True, text=True, check=True)
-        res[method] = json.loads(out.stdout.strip().splitlines()[-1])
+        done = run_process([sys.executable, __file__, "--worker", method, "--device", a.device, "--rows", str(a.rows),
+                            "--seq", str(a.seq), "--repeats", str(a.repeats)], env=bench_env(a.device))
+        if done.status != "ok":
+            raise SystemExit(f"the {method} worker failed:\n{done.output}")
+        res[method] = json.loads(next(line for line in reversed(done.output.splitlines()) if line.startswith("{")))
     logits_mib = a.rows * a.seq * VOCAB * 2 / 2**20
     rows = []
     for what, label in (("pass", "old/ref log-prob pass"), ("train", "training step (+ entropy metric)")):

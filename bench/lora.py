@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import PAD, REPO, SHAPES, end_rank, free_port, make_micro, per_token_nll, report, table
+from _common import PAD, REPO, SHAPES, end_rank, make_micro, per_token_nll, report, spawn_ranks, table
 
 BOS, EOS = 1, 2
 
@@ -142,8 +142,6 @@ def main() -> None:
     args.shape = args.shape or ("0.5b" if args.device == "cuda" else "scaled")
     import sys
 
-    import torch.multiprocessing as mp
-
     os.environ.setdefault("PYTHONPATH", str(REPO))
     sys.path.insert(0, str(REPO))
     stages = [int(s) for s in args.zero_stages.split(",")]
@@ -152,8 +150,7 @@ def main() -> None:
         for stage in stages:
             got = {}
             for mode in ("full", "lora"):
-                mp.spawn(rank_main, args=(args.ranks, free_port(), mode, stage, args, out_dir), nprocs=args.ranks,
-                         join=True)
+                spawn_ranks(rank_main, args.ranks, mode, stage, args, out_dir)
                 got[mode] = [json.loads(Path(out_dir, f"{mode}-{stage}-{r}.json").read_text())
                              for r in range(args.ranks)]
             peak_key = "peak_gpu_bytes" if args.device == "cuda" else "peak_rss_bytes"

@@ -197,7 +197,7 @@ def main() -> None:
 
 
 def dump(path: str, args: argparse.Namespace, cells: list[dict], skipped: dict[str, str]) -> None:
-    """The measurements so far as JSON (bench/gpu.py reads them, also from a run stopped at its time limit)."""
+    """The measurements so far as JSON (bench/gpu/measure.py reads them, also from a run stopped at its time limit)."""
     meta = {k: getattr(args, k) for k in ("device", "dtype", "attn", "max_new_tokens", "mean_len", "samples_per_prompt",
                                           "repeats", "cuda_graphs")}
     with open(path + ".tmp", "w") as f:

@@ -354,7 +354,7 @@ def _check_target(args: list[str]) -> list[str]:
     script, rest = args[0], args[1:]
     if not (REPO / script).is_file():
         return [f"{script}: no such file"]
-    if script in ("launch/train.py", "bench/gpu.py") or script.startswith("bench/"):
+    if script in ("launch/train.py", "bench/gpu/measure.py") or script.startswith("bench/"):
         return _check_entry(script, _script(script, rest), rest, overrides_ok=script == "launch/train.py")
     return []
 

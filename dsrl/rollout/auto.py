@@ -38,11 +38,11 @@ What decides, in order:
     ``cb`` would attend through the dense mask (``rollout.cb_attention = "model"``; its ``"auto"`` packs there):
     each step then attends every query to every cached token of the step, a cost that grows with C squared
     (``bench/rollout.py``, 2026-11-23: 0.72x ``hf``'s tokens/s on the tiny model at C = 512);
-- an accelerator (not measured in the loop yet; ``bench/gpu.py``'s ``auto-grid`` part measures it): ``cb`` under
+- an accelerator (not measured in the loop yet; ``bench/gpu/measure.py``'s ``auto-grid`` part measures it): ``cb`` under
   dsrl's packed attention (``rollout.cb_attention`` ``"auto"`` in bf16/fp16 on a GPU with PyTorch's flash kernel)
   from C >= ``GPU_CB_MIN_CONCURRENCY``, or with a flash implementation of the model, else ``hf``. Measured once,
   generation alone (one H200, 2026-11-26, Qwen2.5-0.5B shape, bf16, C = 128, 256 new tokens, ``bench/rollout.py``
-  in ``bench/gpu.py``): ``generate`` 725 tokens/s, ``cb`` under the dense mask 975 (1.35x), under the packed
+  in ``bench/gpu/measure.py``): ``generate`` 725 tokens/s, ``cb`` under the dense mask 975 (1.35x), under the packed
   attention 9,927 (13.7x); one H100 at C = 64 under the dense mask: cb/hf 0.83. Assumed, not measured: C < 128
   (``hf`` kept), short calls (a 13.7x margin is taken to survive them: ``generate`` pays its per-step launch cost
   at every length; the GPU grid's 8-new-token cells check it), flash-attn models (no lent GPU image had flash-attn).

@@ -1,5 +1,5 @@
 """The benchmarks still run against the current API (a merge once broke bench/e2e.py's dsrl side without any test
-noticing): ``python bench/gpu.py --smoke --no-record --profile`` runs every GPU benchmark part (the verdict part
+noticing): ``python bench/gpu/measure.py --smoke --no-record --profile`` runs every GPU benchmark part (the verdict part
 first: bench/e2e.py with dsrl's ``auto`` side, memory.offload_states off and on, read from dsrl's own metrics rows,
 and TRL's sides where trl imports; dsrl's ``hf`` side in a part of its own; bench/rollout.py with both cb
 attentions, bench/e2e.py with continuous batching and with its profiled rollout, bench/auto_grid.py's hf-vs-cb
@@ -25,6 +25,7 @@ pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
 
 
 def run(args: list[str], timeout: float = 600, **extra_env: str) -> subprocess.CompletedProcess:
@@ -38,11 +39,11 @@ def run(args: list[str], timeout: float = 600, **extra_env: str) -> subprocess.C
 def test_gpu_bench_smoke_runs_every_part(tmp_path):
     docs = REPO / "docs" / "benchmarks.md"
     before = hashlib.sha256(docs.read_bytes()).hexdigest()
-    run(["bench/gpu.py", "--smoke", "--no-record", "--profile", "--workdir", str(tmp_path)], timeout=960)
+    run(["bench/gpu/measure.py", "--smoke", "--no-record", "--profile", "--workdir", str(tmp_path)], timeout=960)
     assert hashlib.sha256(docs.read_bytes()).hexdigest() == before, "--smoke must not write docs/benchmarks.md"
     state = json.loads((tmp_path / "state.json").read_text())
     parts = state["parts"]
-    from gpu import parts as all_parts
+    from measure import parts as all_parts
 
     assert [p.name for p in all_parts()][:2] == ["e2e", "rollout-128"]  # the verdict first, then C = 128
     assert set(parts) == {p.name for p in all_parts(profile=True)}
@@ -99,7 +100,7 @@ def test_auto_grid_smoke(tmp_path):
 
 
 def test_a_part_past_its_bound_is_killed_with_its_children(tmp_path):
-    from gpu import run_bounded
+    from measure import run_bounded
 
     pid_file = tmp_path / "child.pid"
     script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
@@ -119,7 +120,7 @@ def test_a_part_past_its_bound_is_killed_with_its_children(tmp_path):
 
 
 def test_auto_rederivation_flags_disagreements():
-    from _gpu_report import auto_rows
+    from tables import auto_rows
 
     meta = {"device": "cpu", "dtype": "float32", "attn": None}
     agree = {"shape": "scaled", "params_m": 26.5, "C": 128, "meta": meta,

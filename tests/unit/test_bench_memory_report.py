@@ -1,7 +1,7 @@
-"""bench/gpu.py's memory tables (bench/_memory_report.py), rendered from results of the shape bench/e2e.py's dsrl
-workers report on a GPU: dsrl plan against the measured peaks (within 15 % or not), the training memory left as
-generation starts against the bf16 weights, offload and weight-sync seconds, the training phase's MFU. The GPU
-round runs them for real; here each verdict is shown both ways."""
+"""bench/gpu/measure.py's memory tables (bench/gpu/memory_tables.py), rendered from results of the shape
+bench/e2e.py's dsrl workers report on a GPU: dsrl plan against the measured peaks (within 15 % or not), the
+training memory left as generation starts against the bf16 weights, offload and weight-sync seconds, the training
+phase's MFU. The GPU round runs them for real; here each verdict is shown both ways."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "gpu"))
 
-from _memory_report import memory_section, peak_flops  # noqa: E402
+from memory_tables import memory_section, peak_flops  # noqa: E402
 
 
 def _side(peak_train: float, start: float, offload_s: float) -> dict:

@@ -1,8 +1,8 @@
 """Build, on a CPU machine with a package index, the wheels a lent GPU machine lacks, into one ignored folder
-(``.whl/``), and print the exact device-tool call that carries them and runs bench/gpu.py.
+(``.whl/``), and print the exact device-tool call that carries them and runs bench/gpu/measure.py.
 
-    python bench/prepare_gpu.py            # .whl/ for the GPU image's Python 3.12 (x86-64 Linux)
-    python bench/prepare_gpu.py --check    # also check that every wheel installs for that Python
+    python bench/gpu/prepare.py            # .whl/ for the GPU image's Python 3.12 (x86-64 Linux)
+    python bench/gpu/prepare.py --check    # also check that every wheel installs for that Python
 
 What it carries (pinned to the versions dsrl's suite passes with):
 - DeepSpeed as a pure-Python wheel built from its source (``DS_BUILD_OPS=0``: no kernel is compiled here; on the
@@ -31,7 +31,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PINNED = {"deepspeed": "0.19.8", "trl": "1.16.0", "transformers": "5.24.0", "megatron-core": "0.16.1"}
 PYTHON = "3.12"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -64,7 +64,7 @@ MARKER_ENV = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "s
               "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
 INSTALL = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
            ".whl/*.whl")
-RUN = "PYTHONUNBUFFERED=1 python3 bench/gpu.py --window 530 --resume --out $OUT"
+RUN = "PYTHONUNBUFFERED=1 python3 bench/gpu/measure.py --window 530 --resume --out $OUT"
 
 
 def norm(name: str) -> str:
@@ -180,13 +180,13 @@ def main() -> None:
               "the repository")
     rel = os.path.relpath(dest, REPO)
     print(f"""
-Device tool (run), from the repository root: the first call installs and runs the verdict (bench/gpu.py's e2e
+Device tool (run), from the repository root: the first call installs and runs the verdict (bench/gpu/measure.py's e2e
 part, <= 8 minutes) and whatever else its window allows; the same call again, on the still-warm machine, goes on
 where the last stopped (rollout-128 next); the section comes back as $OUT/section.md:
   carry: ["{rel}"]
   command: [ -d /tmp/site/deepspeed ] || {INSTALL.replace('.whl/', rel + '/')}; export PYTHONPATH=/tmp/site; {RUN}
   timeout_s: 600
-Then here: python bench/gpu.py --append <files_at>/section.md""")
+Then here: python bench/gpu/measure.py --append <files_at>/section.md""")
 
 
 if __name__ == "__main__":

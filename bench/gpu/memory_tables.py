@@ -1,4 +1,5 @@
-"""The memory part of bench/gpu.py's section, from bench/e2e.py's dsrl sides (``dsrl`` and ``dsrl-offload``, i.e.
+"""The memory part of bench/gpu/measure.py's section, from bench/e2e.py's dsrl sides (``dsrl`` and
+``dsrl-offload``, i.e.
 ``dsrl.memory.offload_states`` off and on): ``dsrl plan``'s prediction per phase against the measured peak, the
 training memory left on the device as each generation starts, the offload's and the weight sync's seconds, and
 the training phase's model FLOPs utilisation. Pure functions of the results (unit-tested on CPU with figures of the
@@ -7,9 +8,13 @@ right shape: tests/unit/test_bench_memory_report.py)."""
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 from typing import Any
 
-from _common import table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the benchmarks' shared helpers
+
+from _common import table  # noqa: E402
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets; the first name the device's contains wins.
 PEAK_BF16_FLOPS = (("H200", 989.4e12), ("H100 PCIe", 756.5e12), ("H100", 989.4e12), ("A100", 312e12),

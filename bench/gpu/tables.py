@@ -1,13 +1,17 @@
-"""The dated section bench/gpu.py appends: its parts' results turned into tables, the ``auto`` choices re-derived
-from the measured tokens/s, and where dsrl's time and memory go next to TRL's (from bench/_profile.py's
+"""The dated section bench/gpu/measure.py appends: its parts' results turned into tables, the ``auto`` choices
+re-derived from the measured tokens/s, and where dsrl's time and memory go next to TRL's (from bench/_profile.py's
 summaries). Pure functions of the parts' JSON, so the section can be rebuilt from a saved state."""
 
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 from typing import Any
 
-from _common import table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the benchmarks' shared helpers
+
+from _common import table  # noqa: E402
 
 MIN_GAP = 0.10  # a phase "costs more" when it is at least 10 % (and 0.05 s / 5 % of memory) above the other side
 

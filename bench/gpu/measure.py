@@ -1,12 +1,12 @@
 """Every GPU measurement of dsrl in one command: each part in its own process with a time limit, parts that
 cannot run here skipped with the reason, and one dated section appended to docs/benchmarks.md.
 
-    python bench/gpu.py                            # one GPU: the verdict first (<= 8 min), then every other part
-    python bench/gpu.py --window 530 --resume      # the same spread over calls of <= 10 minutes (the device
+    python bench/gpu/measure.py                    # one GPU: the verdict first (<= 8 min), then every other part
+    python bench/gpu/measure.py --window 530 --resume      # the same spread over calls of <= 10 minutes (the device
                                                    # tool): each call starts parts for at most 530 s and the
                                                    # next call goes on from runs/gpu_bench/state.json
-    python bench/gpu.py --smoke --no-record        # CPU, tiny shapes, the same parts and sides (the test suite)
-    python bench/gpu.py --append SECTION.md        # append a section written by --out on another machine
+    python bench/gpu/measure.py --smoke --no-record        # CPU, tiny shapes, the same parts and sides (the test suite)
+    python bench/gpu/measure.py --append SECTION.md        # append a section written by --out on another machine
 
 Parts, in the order they run (the verdict first, so a short loan still answers it):
 
@@ -18,7 +18,7 @@ Parts, in the order they run (the verdict first, so a short loan still answers i
   of start-up each); a side that runs out of time reports the rollouts it finished. Its dsrl processes also
   report ``dsrl plan``'s memory prediction, the memory allocated as each generation starts, the offload's
   seconds, a bucketed weight copy and the training phase's tokens per second (MFU): the section's memory tables
-  (bench/_memory_report.py);
+  (bench/gpu/memory_tables.py);
 - rollout-128 (5 min): bench/rollout.py, hf vs cb under dsrl's packed attention and under the dense mask,
   0.5B shape, bf16, C = 128, N = 512, geometric lengths of mean 64, 256 new tokens;
 - e2e-hf (3 min): dsrl with ``hf`` end to end (the verdict's TRL rows are its comparison);
@@ -52,8 +52,6 @@ import importlib.util
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,7 +60,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import BENCH_OUT_ENV, REPO, machine, record, table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the benchmarks' shared helpers
+
+from _common import BENCH_OUT_ENV, REPO, bench_env, machine, record, run_process, table  # noqa: E402
 
 BUDGET_S = 25 * 60
 PART_LIMIT_S = 8 * 60
@@ -70,7 +70,7 @@ SMOKE_BUDGET_S = 900  # with TRL importable: 4 + 1 + 3 end-to-end processes and 
 SMOKE_PART_LIMIT_S = 240  # the verdict part runs four processes (two where TRL is absent)
 SMOKE_EXPECTED_S = 10
 STATE_DIR = REPO / "runs" / "gpu_bench"
-TITLE = "GPU round: every GPU measurement (bench/gpu.py)"
+TITLE = "GPU round: every GPU measurement (bench/gpu/measure.py)"
 STALE_S = 12 * 3600  # a state older than this is not resumed
 VERSIONED = ("torch", "transformers", "deepspeed", "trl", "accelerate", "datasets", "vllm", "apex", "flash_attn",
              "megatron.core")
@@ -223,35 +223,14 @@ def parts(profile: bool = False) -> list[Part]:
 
 
 def run_bounded(argv: list[str], env: dict[str, str], limit: float, log: Path) -> tuple[int | None, float]:
-    """Run ``argv`` in its own process group for at most ``limit`` seconds (then the whole group is killed);
-    (exit code or None when stopped, seconds)."""
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=max(1.0, limit))
-        except subprocess.TimeoutExpired:
-            rc = None
-            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-    return rc, time.perf_counter() - t0
+    """Run ``argv`` in its own process group for at most ``limit`` seconds (then the whole group is killed;
+    :func:`_common.run_process`); (exit code or None when stopped, seconds)."""
+    done = run_process(argv, env=env, timeout=limit, log=log)
+    return done.returncode, done.seconds
 
 
 def part_env(ctx: Ctx, out: Path) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p),
-           BENCH_OUT_ENV: str(out), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if ctx.device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-        env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return bench_env(ctx.device, **{BENCH_OUT_ENV: str(out)})
 
 
 def collect(part: Part, ctx: Ctx, body_path: Path) -> dict[str, Any] | None:
@@ -347,7 +326,7 @@ def versions() -> str:
 def section(state: dict[str, Any], ctx: Ctx, selected: list[Part]) -> str:
     """The markdown body of the dated section."""
     from _e2e_report import census_table, results_table, verdict_table
-    from _gpu_report import auto_section, e2e_results, rollout_cells, rollout_table, where_section
+    from tables import auto_section, e2e_results, rollout_cells, rollout_table, where_section
 
     gpu = ctx.device != "cpu"
     parts_state = state["parts"]
@@ -394,7 +373,7 @@ def section(state: dict[str, Any], ctx: Ctx, selected: list[Part]) -> str:
         if census:
             out += ["", "Resident memory after the first rollout, by role (MiB):", "", census]
         out += ["", "#### Where the time and memory go", "", where_section(results, gpu)]
-        from _memory_report import memory_section
+        from memory_tables import memory_section
 
         memory = memory_section(results, gpu)
         if memory:
@@ -446,7 +425,7 @@ def main() -> None:
 
         text = Path(args.append).read_text()
         if f"### {TITLE}" not in text:
-            raise SystemExit(f"{args.append} is not a section written by bench/gpu.py (no '### {TITLE}' line)")
+            raise SystemExit(f"{args.append} is not a section written by bench/gpu/measure.py (no '### {TITLE}' line)")
         with open(RESULTS, "a", encoding="utf-8") as f:
             f.write(text if text.startswith("\n") else "\n" + text)
         print(f"appended {args.append} to {RESULTS.relative_to(REPO)}")
@@ -454,8 +433,8 @@ def main() -> None:
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
-        raise SystemExit("bench/gpu.py measures a GPU and none is visible here (torch.cuda.is_available() is "
-                         "False); on a CPU machine run: python bench/gpu.py --smoke --no-record")
+        raise SystemExit("bench/gpu/measure.py measures a GPU and none is visible here (torch.cuda.is_available() is "
+                         "False); on a CPU machine run: python bench/gpu/measure.py --smoke --no-record")
     all_parts = parts(profile=args.profile)
     names = [p.name for p in all_parts]
     unknown = sorted(set(args.parts or []) - set(names))
@@ -487,7 +466,7 @@ def main() -> None:
     save()
     done = run_parts(state, ctx, selected, budget, part_limit, args.window, save)
     body = section(state, ctx, selected)
-    command = "python bench/gpu.py" + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "")
+    command = "python bench/gpu/measure.py" + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "")
     path = write_outputs(body, ctx, args.out, command, state)
     if not done:
         print(body)
