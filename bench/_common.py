@@ -323,6 +323,24 @@ def run_process(argv: list[str], *, env: dict[str, str], timeout: float | None =
     return Finished(status, rc, output, time.perf_counter() - t0)
 
 
+def rollout_rows(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The ``rollout`` rows of a dsrl run's metrics.jsonl (a line cut by a stopped process is skipped): the figures a
+    benchmark reads from dsrl's own metrics."""
+    import json
+
+    path = Path(run_dir, "metrics.jsonl")
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("event") == "rollout":
+                rows.append(row)
+    return rows
+
+
 def spawn_ranks(fn: Any, world: int, *args: Any) -> None:
     """``fn(rank, world, master_port, *args)`` on ``world`` local processes (a gloo job of this benchmark); each ends
     through :func:`end_rank`."""

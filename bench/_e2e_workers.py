@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import EOS, long_tailed_model, serve_biased_head
+from _common import EOS, long_tailed_model, rollout_rows, serve_biased_head
 from _profile import PhaseProfiler, format_profile, memory_census
 
 # dsrl's phases (dsrl/runtime/phases.py) as the profiler groups them; between phases counts as "train"
@@ -241,16 +241,7 @@ def weight_sync_probe(model: Any, bucket_mib: float = 512.0, repeats: int = 3) -
 
 def dsrl_records(run_dir: str, w: Workload) -> list[dict[str, Any]]:
     """The timed rollouts' records from dsrl's ``rollout`` rows (the profiled extra rollout left out)."""
-    path = Path(run_dir, "metrics.jsonl")
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by the time limit
-            if row.get("event") == "rollout" and row["rollout"] <= w.rollouts:
-                rows.append(row)
+    rows = [r for r in rollout_rows(run_dir) if r["rollout"] <= w.rollouts]
     out, before = [], 0.0
     for r in rows:
 

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import SHAPES, bench_env, report, run_process, table
+from _common import SHAPES, bench_env, report, rollout_rows, run_process, table
 
 G = 4  # samples per prompt
 MEAN_LEN = {8: 12.0, 16: 12.0, 32: 12.0, 64: 16.0, 256: 32.0}  # eos probability 1/mean per step, per L
@@ -181,21 +181,6 @@ def run_cells(cells: list[Cell], out_dir: str) -> None:
 # -- the driver -------------------------------------------------------------------------------------------------
 
 
-def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The ``rollout`` rows of a run's metrics.jsonl (a line cut by a stopped process is skipped)."""
-    path = Path(run_dir, "metrics.jsonl")
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if row.get("event") == "rollout":
-                rows.append(row)
-    return rows
-
-
 def cell_result(cell: Cell, info: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A cell's timed rollouts: per backend its generation seconds and mean completion lengths, and the pairs."""
     schedule = cell.schedule
@@ -234,7 +219,7 @@ def measure(cells: list[Cell], timeout: float) -> list[dict[str, Any]]:
                 info = json.loads(Path(tmp, f"cell{i}.json").read_text())
             except (OSError, json.JSONDecodeError):
                 info = {}
-            r = cell_result(cell, info, read_rows(Path(tmp, f"run{i}")))
+            r = cell_result(cell, info, rollout_rows(Path(tmp, f"run{i}")))
             done = len(r["pairs"]) == cell.pairs
             r.update(status="ok" if done else status if status != "ok" else "incomplete",
                      error="" if done else error, wall_s=wall / len(cells))
