@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dsrl.algos.losses import clipped_policy_loss
 from dsrl.cli.check_measures import relative_error as relative_error
 from dsrl.cli.reference import reference_gradient
+from dsrl.core.weights import GlobalCounts, local_counts
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, MAX_POS = 64, 32, 4, 2, 16, 32
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
@@ -117,6 +118,16 @@ def ppo_loss(output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict[str, to
     loss, info = clipped_policy_loss(logp, mb["old_logprobs"].to(logp.dtype), mb["advantages"].to(logp.dtype),
                                      CLIP_LOW, CLIP_HIGH)
     return loss, {"ratio": info["ratio"]}
+
+
+def global_counts_of(all_micros: list[dict]) -> GlobalCounts:
+    """The tokens and sequences of every micro-batch of every replica, counted in one process (what the all-reduce
+    of each replica's local counts must give)."""
+    tok = seq = 0
+    for mb in all_micros:
+        t, s = local_counts(mb)
+        tok, seq = tok + t, seq + s
+    return GlobalCounts(tokens=tok, sequences=seq)
 
 
 def reference_grads(model: torch.nn.Module, all_micros: list[dict], mode: str, forward: Any, loss: Any,
