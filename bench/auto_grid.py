@@ -166,8 +166,8 @@ def run_cells(cells: list[Cell], out_dir: str) -> None:
         dsrl.rl.policy.model.build_model = lambda *a, model=model, **k: model  # the benchmark's model
         state.update(schedule=cell.schedule, served=[], calls=[])
         out = Path(out_dir, f"cell{i}.json")
-        trainer = Trainer(run_file(cell, str(Path(out_dir, f"run{i}"))))
-        backend = trainer.backend
+        trainer = Trainer.from_config(run_file(cell, str(Path(out_dir, f"run{i}"))))
+        backend = trainer.parts.backend
         if not isinstance(backend, AutoRolloutBackend):
             raise RuntimeError(f"the trainer built {type(backend).__name__}, not the auto backend")
         decision = backend.decision(cell.prompts, G)
