@@ -89,10 +89,7 @@ class Trainer:
             p.stop.end_run()
             if self.bar is not None:
                 self.bar.close()
-            p.metrics.close()
-            p.backend.close()
-            p.stop.uninstall()
-            p.run_dir.release()
+            p.close()
         return summary
 
     def _loop(self) -> dict[str, Any]:

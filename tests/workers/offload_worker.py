@@ -110,10 +110,7 @@ def main() -> int:
                   reference_resident=weights.resident, reference_tensors=len(weights._layout))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    parts.metrics.close()
-    parts.backend.close()
-    parts.stop.uninstall()
-    parts.run_dir.release()
+    parts.close()
     return 0
 
 

@@ -125,10 +125,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(reports, f, indent=1)
-    parts.metrics.close()
-    parts.backend.close()
-    parts.stop.uninstall()
-    parts.run_dir.release()
+    parts.close()
     return 0
 
 

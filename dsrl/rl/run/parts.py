@@ -97,6 +97,14 @@ class RunParts:
     resumed: bool
     evaluator: Evaluator
 
+    def close(self) -> None:
+        """Releases what the run holds, in this order: its metrics files, the rollout backend, the signal handlers
+        and the run directory's lock. Called once, when the run ends (normally or not)."""
+        self.metrics.close()
+        self.backend.close()
+        self.stop.uninstall()
+        self.run_dir.release()
+
 
 @dataclass
 class CheckedRun:
