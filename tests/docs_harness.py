@@ -367,6 +367,20 @@ def extras() -> set[str]:
     return set()
 
 
+def check_inline_installs(text: str, doc: Path) -> list[str]:
+    """The ``pip install`` lines a sentence quotes (`` `pip install ...` `` outside the fenced blocks), held to
+    :func:`check_pip` as the blocks' are."""
+    problems = []
+    for m in re.finditer(r"`((?:python -m )?pip install [^`]+)`", prose(text)):
+        try:
+            args = shlex.split(m.group(1))
+        except ValueError:
+            problems.append(f"{doc.relative_to(REPO)}: `{m.group(1)}` does not parse as a shell line")
+            continue
+        problems += [f"{doc.relative_to(REPO)}: {p}" for p in check_pip(args[args.index("pip") + 1:])]
+    return problems
+
+
 def check_pip(args: list[str]) -> list[str]:
     """``pip install`` lines install dsrl from the checkout (the package index's ``dsrl`` is another project), with
     extras setup.py declares."""
@@ -544,7 +558,8 @@ def check_defaults(text: str, doc: Path) -> list[str]:
 
 def check_doc(doc: Path, text: str | None = None) -> list[str]:
     text = doc.read_text() if text is None else text
-    problems = check_links(text, doc) + check_paths(text, doc) + check_words(text, doc) + check_defaults(text, doc)
+    problems = (check_links(text, doc) + check_paths(text, doc) + check_words(text, doc) + check_defaults(text, doc)
+                + check_inline_installs(text, doc))
     for b in blocks(text, doc):
         if b.lang in ("json", "jsonl"):
             problems += check_json_block(b)

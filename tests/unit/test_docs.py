@@ -44,6 +44,7 @@ def _problems(text: str) -> list[str]:
     ("```bash\npytest tests/distributed/test_multinode_pdsh.py\n```", "selects no test (tier suite)"),
     ("```bash\npip install 'dsrl[lora]'\n```", "unrelated 'dsrl'"),
     ("```bash\npip install -e \".[loras]\"\n```", "no extra loras"),
+    ("Install with `pip install 'dsrl[megatron]'` first.", "unrelated 'dsrl'"),
     # internal names
     ("As ARCHITECTURE §2 says.", "design document"),
     ("Measured for issue 26.", "internal issue number"),
