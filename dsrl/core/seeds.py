@@ -1,8 +1,13 @@
 """Seeds derived from the run seed: every random stream of a run (generation, shuffles, ranks) is a
 pure function of ``run.seed`` and integers such as the rollout index, the sampling round and the replica,
-so a resumed run draws exactly what an uninterrupted one would."""
+so a resumed run draws exactly what an uninterrupted one would; and the fork of torch's streams a seeded call runs in
+(:func:`forked_torch_rng`), so that it leaves its caller's streams untouched."""
 
 from __future__ import annotations
+
+import contextlib
+
+import torch
 
 
 def derived_seed(*parts: int) -> int:
@@ -29,3 +34,10 @@ def eval_seed(run_seed: int, rollout: int, replica: int, call: int) -> int:
     the evaluation after ``rollout`` rollouts. A colocated replica and the generator rank serving it make the same
     call with the same seed."""
     return derived_seed(run_seed, EVAL_SEED_TAG, rollout, replica, call)
+
+
+def forked_torch_rng(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """torch's random streams of the CPU and of ``device`` (its index; 0 when unset) as they were before the block
+    (``torch.random.fork_rng``): a call that seeds inside it leaves its caller's streams where they were."""
+    devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
+    return torch.random.fork_rng(devices=devices, device_type=device.type)

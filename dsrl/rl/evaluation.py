@@ -50,7 +50,7 @@ import torch
 from dsrl.config import DataConfig, DsrlConfig, EvalConfig, RolloutConfig
 from dsrl.core.collectives import all_reduce_floats
 from dsrl.core.parallel import ParallelView
-from dsrl.core.seeds import eval_seed
+from dsrl.core.seeds import eval_seed, forked_torch_rng
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.evalset import EvalPrompts, replica_calls
 from dsrl.rl.data.prompts import encode
@@ -156,9 +156,8 @@ class EvalSettings:
 def isolated_random_streams(device: torch.device) -> Iterator[None]:
     """torch's (CPU and ``device``'s), Python's and NumPy's random streams as they were before the block."""
     py, npy = random.getstate(), np.random.get_state()
-    devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
     try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type):
+        with forked_torch_rng(device):
             yield
     finally:
         random.setstate(py)

@@ -154,8 +154,9 @@ class Trainer:
         """The held-out evaluation of the weights after ``state.rollout`` rollouts, when due; generator ranks that are
         gone meanwhile (disaggregated) end the run after a checkpoint of what was trained."""
         p = self.parts
-        if p.evaluator.due(p.state.rollout):
-            p.memory.release()  # generation needs the device, not the training state (dsrl.memory)
+        if not p.evaluator.due(p.state.rollout):
+            return
+        p.memory.release()  # generation needs the device, not the training state (dsrl.memory)
         try:
             p.evaluator.evaluate_if_due(p.state.rollout, p.actor.engine.optimizer_steps)
         except GenerationStopped as e:  # (a stop request ends the evaluation inside it)

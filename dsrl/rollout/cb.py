@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsrl.config import RolloutConfig
+from dsrl.core.seeds import forked_torch_rng
 from dsrl.rollout.base import Completion, GenerationPolicy, RolloutBackend, cut_at_eos
 from dsrl.rollout.cb_routes import PackedRoutes
 from dsrl.rollout.cb_session import Session, capture_hint, warmup_or_raise
@@ -322,7 +323,6 @@ class ContinuousBatchingBackend(RolloutBackend):
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. bos)")
         self._check_bounds(prompt_ids)
         device = self._hf.device
-        rng_devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
         was_training = self.module.training
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
@@ -330,7 +330,7 @@ class ContinuousBatchingBackend(RolloutBackend):
             if not prompt_ids:  # the gather above is collective: entered even with nothing to generate
                 return []
             stack.enter_context(neutral_generation_config(self.module))
-            stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
+            stack.enter_context(forked_torch_rng(device))
             stack.enter_context(_collect_only_new_objects())
             try:
                 results, routes = self._run(prompt_ids, samples_per_prompt, seed)

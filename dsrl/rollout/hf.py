@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl.config import RolloutConfig
+from dsrl.core.seeds import forked_torch_rng
 from dsrl.rollout.base import Completion, GenerationPolicy, RolloutBackend, cut_at_eos, stop_token_ids
 from dsrl.rollout.policy import (
     TensorPeersStop,
@@ -150,14 +151,13 @@ class HFRolloutBackend(RolloutBackend):
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. bos)")
         gen_cfg = self.generation_config()
         device = self.device
-        rng_devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
         was_training = self.module.training
         out: list[Completion] = []
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(gathered_for_generation(self.module, self.policy))
             stack.enter_context(neutral_generation_config(self.module))
-            stack.enter_context(torch.random.fork_rng(devices=rng_devices, device_type=device.type))
+            stack.enter_context(forked_torch_rng(device))
             self.module.eval()
             try:
                 torch.manual_seed(seed)

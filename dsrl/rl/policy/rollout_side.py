@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsrl.algos.defaults import resolve_algorithm
 from dsrl.config import ConfigError, DsrlConfig, MemoryConfig, ModelConfig, RolloutConfig
 from dsrl.config.names import VLLM_BACKEND
 from dsrl.core.forwards import PolicyForwards
@@ -62,12 +63,9 @@ class RolloutSideSettings:
 
     @classmethod
     def of(cls, d: DsrlConfig) -> RolloutSideSettings:
-        from dsrl.config.names import ALGORITHM_DEFAULTS
-
-        r, a = d.rollout, d.algorithm
+        r, a = d.rollout, resolve_algorithm(d.algorithm)
         new_tokens = min(r.max_new_tokens, r.max_trajectory_tokens) if d.multi_turn else r.max_new_tokens
-        dynamic = ALGORITHM_DEFAULTS[a.name]["dynamic_sampling"] if a.dynamic_sampling is None else a.dynamic_sampling
-        calls = (r.max_turns if d.multi_turn else 1) * (a.max_sampling_rounds if dynamic else 1)
+        calls = (r.max_turns if d.multi_turn else 1) * (a.max_sampling_rounds if a.dynamic_sampling else 1)
         return cls(d.model, d.rollout, d.memory, d.batch.samples_per_prompt, d.run.seed, d.max_generation_tokens,
                    new_tokens, calls, d.max_eval_generation_tokens)
 
