@@ -142,3 +142,26 @@ def write_json(path: Path, obj: dict) -> Path:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+# fp16 on DeepSpeed's accelerator depends on the machine: the CPU accelerator asks oneDNN
+# (torch.ops.mkldnn._is_mkldnn_fp16_supported(): yes on CPUs with AVX512-FP16 or AMX-FP16). A test of what dsrl
+# does with fp16.enabled takes its expectation from the accelerator through this fixture, never from this CPU.
+FP16_ANSWERS = ("this machine", "unsupported", "supported")
+
+
+@pytest.fixture(params=FP16_ANSWERS, ids=[f"fp16 {a}" for a in FP16_ANSWERS])
+def fp16_supported(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether DeepSpeed's accelerator takes fp16, as the product asks it: dsrl's validation runs DeepSpeed's
+    engine check, which refuses fp16 where ``get_accelerator().is_fp16_supported()`` is false. "this machine"
+    is the real answer (one branch per machine); "unsupported" and "supported" patch the accelerator's answer,
+    so that both branches run on every machine."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if request.param == "this machine":
+        return bool(accelerator.is_fp16_supported())
+    answer = request.param == "supported"
+    monkeypatch.setattr(accelerator, "is_fp16_supported", lambda: answer)
+    assert bool(get_accelerator().is_fp16_supported()) is answer  # the object the product asks
+    return answer

@@ -137,7 +137,6 @@ CASES = [
     ("bf16 and fp16", {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "fp16.enabled"),
     ("bf16 on ZeRO-0 (no fp32 accumulation)", {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}},
      "zero_optimization.stage"),
-    ("fp16 on CPU", {"fp16": {"enabled": True}}, "fp16.enabled"),
     ("loss_scale negative", {"fp16": {"enabled": False, "loss_scale": -1}}, "fp16.loss_scale"),
     ("loss_scale_window string", {"fp16": {"enabled": False, "loss_scale_window": "x"}}, "fp16.loss_scale_window"),
     ("bf16 unknown key", {"bf16": {"enabled": True, "loss_scale": 0}}, "bf16.loss_scale"),
@@ -220,6 +219,22 @@ def test_bad_run_file_is_rejected_naming_the_field(tmp_path, capsys, changes, fi
     assert "dsrl: configuration error:" in text, text
     assert field in text, (field, text)
     assert "Fix" in text, text
+
+
+def test_fp16_is_planned_exactly_where_the_accelerator_has_it(tmp_path, capsys, fp16_supported):
+    """fp16.enabled on the CPU accelerator follows its answer (the ``fp16_supported`` fixture: this machine's, then
+    each answer patched in): without fp16 the run file is rejected like the catalogue's, naming the field; with it
+    (a CPU with AVX512-FP16/AMX-FP16) the same run file plans, with nothing said about fp16."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(mutate(BASE, {"fp16": {"enabled": True}})))
+    rc, text = plan_in_process(path, capsys)
+    assert "Traceback" not in text, text
+    if fp16_supported:
+        assert rc == 0 and "dsrl plan for" in text, text
+        assert "fp16.enabled" not in text and "not supported" not in text and "error" not in text, text
+    else:
+        assert rc == 2 and "dsrl: configuration error:" in text, text
+        assert "fp16.enabled" in text and "not supported" in text and "Fix" in text, text
 
 
 def test_world_size_rules_name_the_field(tmp_path, capsys):

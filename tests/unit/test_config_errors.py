@@ -131,7 +131,6 @@ DEEPSPEED_ERRORS = [
     ({"managed_gradient_accumulation": True}, ["managed_gradient_accumulation", "false"]),
     ({"gradient_clipping": -1}, ["gradient_clipping"]),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, ["bf16.enabled", "fp16.enabled"]),
-    ({"fp16": {"enabled": True}}, ["fp16.enabled", "CPU", "not supported"]),
     ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage"]),
     ({"zero_optimization": {"stage": 1, "overlap_comm": True}}, ["zero_optimization.overlap_comm", '"stage": 1',
                                                                   "only with ZeRO stage 2"]),
@@ -150,6 +149,26 @@ def test_deepspeed_section_errors_name_the_field(ds_changes, fragments):
         validated_deepspeed_config(cfg, plan, on_gpu=False)
     for frag in fragments:
         assert frag in str(err.value), (frag, str(err.value))
+
+
+def test_fp16_is_refused_exactly_where_the_accelerator_has_none(fp16_supported):
+    """fp16.enabled is DeepSpeed's engine check's to refuse, by the accelerator's answer (the ``fp16_supported``
+    fixture: this machine's, then each answer patched in): refused naming the field and the accelerator where it
+    has no fp16; where it has (a CPU with AVX512-FP16/AMX-FP16, a GPU) the same config is accepted as it is."""
+    from deepspeed.accelerator import get_accelerator
+
+    raw = copy.deepcopy(BASE)
+    raw["fp16"] = {"enabled": True}
+    cfg, plan = _plan(raw, 2)
+    if not fp16_supported:
+        with pytest.raises(ConfigError) as err:
+            validated_deepspeed_config(cfg, plan, on_gpu=False)
+        for frag in ["fp16.enabled", f"{get_accelerator().device_name().upper()} accelerator", "not supported",
+                     "Fix"]:
+            assert frag in str(err.value), (frag, str(err.value))
+    else:
+        ds, _ = validated_deepspeed_config(cfg, plan, on_gpu=False)
+        assert ds["fp16"]["enabled"] is True and not ds.get("bf16", {}).get("enabled")
 
 
 SCHEDULER_ERRORS = [
