@@ -12,8 +12,9 @@ For every fenced block of a doc:
   with dotted ``--dsrl.*`` overrides checked against the config's keys; every pytest line selects at least one
   test of the tier it names; install lines install extras that exist, from the checkout.
 
-For every doc: each link and each repository path it names resolves; no doc names an internal file, issue number
-or machine path; a default a sentence states (`` `section.key` (default V) ``, `` defaults to ``) is the config's.
+For every doc: each link and each repository path it names resolves; no doc names an internal file, issue number,
+machine path, or the tool (and its machine kinds) the developers' GPUs were lent through; a default a sentence
+states (`` `section.key` (default V) ``, `` defaults to ``) is the config's.
 Each check returns problems as sentences (empty: fine); tests/unit/test_docs.py runs them and plants defects.
 """
 
@@ -41,6 +42,8 @@ FORBIDDEN = [
     (re.compile(r"ARCHITECTURE"), "names the developers' design document (users have no ARCHITECTURE.md)"),
     (re.compile(r"\b[Ii]ssues? \d+\b"), "names an internal issue number"),
     (re.compile(r"/work/|/root/|/tmp/bash_jobs"), "names a path of the developers' machines"),
+    (re.compile(r"device tool", re.I), "names the developers' tool a GPU was lent through (name the card)"),
+    (re.compile(r"\bnvidia-[a-z]\d+(?:-x\d+)?\b"), "names a machine kind of the developers' tool (name the card)"),
 ]
 WORLD_SIZES = {"gsm8k_qwen2.5_1.5b_8gpu.json": 8, "tiny_grpo_async_cpu.json": 3}
 

@@ -1,7 +1,8 @@
 """README.md and docs/ as a user copies them (tests/docs_harness.py): every run file and fragment validates, every
 command's flags are accepted by its parser, every pytest line selects tests, every install line installs this
-checkout with extras that exist, every link and repository path resolves, no doc names an internal file, issue or
-machine path, and every default a sentence states is the config's. Each check is shown failing on a planted defect.
+checkout with extras that exist, every link and repository path resolves, no doc names an internal file, issue,
+machine path or the developers' GPU tool, and every default a sentence states is the config's. Each check is shown
+failing on a planted defect.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def _problems(text: str) -> list[str]:
     # internal names
     ("As ARCHITECTURE §2 says.", "design document"),
     ("Measured for issue 26.", "internal issue number"),
+    ("One H100 (Device Tool), torch 2.11.", "tool a GPU was lent through"),
+    ("One H100 (`nvidia-h100-x1`), torch 2.11.", "machine kind"),
     # run files
     ("```json\n{\"dsrl\": {\"run\": {\"rollouts\": 1}}}\n```", "is not a run file dsrl accepts"),
     ("<!-- excerpt of configs/tiny_grpo_cpu.json -->\n```json\n{\"dsrl\": {\"rollout\": {\"max_new_tokens\": 9}}}\n```",
@@ -60,6 +63,7 @@ def test_the_harness_finds_each_planted_defect(text, expected):
 
 def test_the_harness_accepts_what_is_true():
     assert _problems("`rollout.backend` (default `auto`) and `run.stop_grace_s` (default 25 s).") == []
+    assert _problems("One NVIDIA H100 80GB HBM3 and one NVIDIA H200 (141 GB); a device-side tool call.") == []
     assert _problems("```bash\ndsrl plan --ds_config configs/tiny_grpo_cpu.json --world_size 2 "
                      "--dsrl.batch.samples_per_prompt 4\n"
                      "pytest tests/distributed/test_multinode_pdsh.py --tier extended\n"
