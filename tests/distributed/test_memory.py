@@ -9,8 +9,10 @@ into fresh device buffers), the run without it none.
 - ZeRO-2 with a frozen KL reference and a learned reward model (both plain modules: they leave the "device"
   between their passes), in the README suite;
 - ZeRO-1 with LoRA (the adapters' optimizer states), ZeRO-3 with PPO (the policy's and the critic's engines, and
-  the KL reference as a sharded ZeRO-3 engine; DeepSpeed's FusedAdam on both runs, which its stage-3 offload
-  needs), in the extended tier.
+  the KL reference as a sharded ZeRO-3 engine; every parameter partitioned; DeepSpeed's FusedAdam on both runs),
+  and the default ZeRO-3 config (``{"stage": 3}`` alone: DeepSpeed's persistence threshold keeps the tiny model's
+  parameters gathered; torch's AdamW, dsrl's CPU default, on both runs: an offloading ZeRO-3 run used to get
+  DeepSpeed's FusedAdam instead, and differed from the first update on), in the extended tier.
 
 A planted bug fails these tests: a reload that does nothing is refused at the next step (the engine still
 reports offloaded states), and a reload that restores the first offload's optimizer states changes the steps.
@@ -63,7 +65,9 @@ def _run_file(tmp: Path, case: str) -> Path:
                          reward_model_weight=0.1)
     elif case == "zero1-lora":
         raw["zero_optimization"]["stage"] = 1
-    else:  # zero3-ppo: every parameter partitioned; DeepSpeed's FusedAdam on both runs (its stage-3 offload needs it)
+    elif case == "zero3-default":  # DeepSpeed's defaults: the tiny model's parameters all stay gathered (persistent)
+        raw["zero_optimization"] = {"stage": 3}
+    else:  # zero3-ppo: every parameter partitioned; DeepSpeed's FusedAdam on both runs (dsrl moves any optimizer's)
         raw["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
         raw["optimizer"]["params"]["torch_adam"] = False
         d["algorithm"] = {"name": "ppo", "gamma": 1.0, "lam": 0.95, "kl_coef": 0.05}
@@ -94,7 +98,7 @@ def test_offload_is_bitwise_the_same_zero2_with_reference_and_reward_model(tmp_p
 
 
 @EXTENDED
-@pytest.mark.parametrize("case", ["zero1-lora", "zero3-ppo"])
+@pytest.mark.parametrize("case", ["zero1-lora", "zero3-ppo", "zero3-default"])
 def test_offload_is_bitwise_the_same(tmp_path, case):
     _same_training(tmp_path, case)
 

@@ -31,9 +31,8 @@ import torch
 def config(stage: int, out_dir: str) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     adam: dict[str, Any] = {"lr": 0.01}
-    if stage == 3:  # every parameter partitioned; DeepSpeed's FusedAdam (its stage-3 offload takes no other)
+    if stage == 3:  # every parameter partitioned; torch's AdamW (dsrl moves its states; DeepSpeed only FusedAdam's)
         zero["stage3_param_persistence_threshold"] = 0
-        adam["torch_adam"] = False
     return {
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": adam},

@@ -37,8 +37,7 @@ def apex_fused_adam() -> type | None:
     return FusedAdam if getattr(multi_tensor_applier, "available", False) else None
 
 
-def apex_adam_reason(ds_config: dict[str, Any], setting: str, on_gpu: bool, client_optimizer: Any,
-                     offload_states: bool = False) -> str | None:
+def apex_adam_reason(ds_config: dict[str, Any], setting: str, on_gpu: bool, client_optimizer: Any) -> str | None:
     """Why apex's FusedAdam would *not* be used (a short phrase), or None when it would be."""
     opt = ds_config.get("optimizer")
     params = (opt or {}).get("params") or {}
@@ -55,21 +54,18 @@ def apex_adam_reason(ds_config: dict[str, Any], setting: str, on_gpu: bool, clie
         return "torch_adam/amsgrad is set"
     if str(offload).lower() not in ("none", ""):
         return "the optimizer is offloaded (DeepSpeed's CPU Adam)"
-    if offload_states and (ds_config.get("zero_optimization") or {}).get("stage") == 3:
-        return "ZeRO-3 with memory.offload_states (DeepSpeed offloads only its own FusedAdam's states)"
     if apex_fused_adam() is None:
         return "apex (with its CUDA extension) is not importable"
     return None
 
 
 def apex_adam_for(ds_config: dict[str, Any], model_parameters: Any, setting: str, on_gpu: bool,
-                  client_optimizer: Any = None, offload_states: bool = False,
-                  ) -> tuple[torch.optim.Optimizer | None, dict[str, Any]]:
+                  client_optimizer: Any = None) -> tuple[torch.optim.Optimizer | None, dict[str, Any]]:
     """``(apex FusedAdam, ds_config without its "optimizer")`` when the swap applies (module docstring),
     else ``(None, ds_config)`` unchanged. The optimizer takes the ds_config's lr, betas, eps,
     weight_decay and DeepSpeed's AdamW-mode rule (type AdamW: decoupled decay; type Adam: decoupled
     unless ``adam_w_mode`` is false)."""
-    if apex_adam_reason(ds_config, setting, on_gpu, client_optimizer, offload_states) is not None:
+    if apex_adam_reason(ds_config, setting, on_gpu, client_optimizer) is not None:
         return None, ds_config
     fused_adam = apex_fused_adam()
     opt = ds_config["optimizer"]

@@ -152,13 +152,12 @@ def resolve_deepspeed_config(
             "Fix: remove the pipeline section; for pipeline parallelism embed dsrl in Megatron (docs/megatron.md)."
         )
 
-    stage3_offload = cfg.dsrl.memory.offload_states and isinstance(zero, dict) and zero.get("stage") == 3
-    if not on_gpu and not stage3_offload:
+    if not on_gpu:
         opt = ds.get("optimizer")
         if (isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw")
                 and isinstance(opt.setdefault("params", {}), dict)):
-            # DeepSpeed would JIT-build CPUAdam; the torch implementation is exact and builds nothing. (Under ZeRO-3
-            # with memory.offload_states DeepSpeed's FusedAdam stays: its stage-3 offload takes no other optimizer.)
+            # DeepSpeed would JIT-build CPUAdam; the torch implementation is exact and builds nothing. The same
+            # with memory.offload_states on or off (under ZeRO-3 dsrl moves any optimizer's states: offload.py).
             opt["params"].setdefault("torch_adam", True)
 
     for section in ("tensorboard", "csv_monitor"):

@@ -309,8 +309,7 @@ def initialize(
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     # apex's prebuilt FusedAdam instead of compiling DeepSpeed's, where apex is present (apex.py).
-    apex_optimizer, ds_config = apex_adam_for(ds_config, model_parameters, cfg.dsrl.model.apex, spec.on_gpu, optimizer,
-                                              offload_states=cfg.dsrl.memory.offload_states)
+    apex_optimizer, ds_config = apex_adam_for(ds_config, model_parameters, cfg.dsrl.model.apex, spec.on_gpu, optimizer)
     optimizer = apex_optimizer or optimizer
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu

@@ -3,10 +3,15 @@
 - :class:`EngineStates`: a training engine's optimizer states, fp32 master weights and gradient buffers
   (DeepSpeed's ``OffloadStateTypeEnum`` optim_states, hp_params, lp_grads, contiguous_grad_buffer) go to pinned
   host memory through DeepSpeed's own ``engine.offload_states(include, pin_memory=True, non_blocking=True)`` and
-  come back with ``engine.reload_states(non_blocking=True)``. DeepSpeed's ZeRO buffers are flat (one per parameter
-  group), so each state moves in a few coalesced copies. The low-precision weights (lp_params) stay: generation
-  and the no-grad passes compute with them. The values do not change in transit, so training is bitwise the same
-  with the offload on or off; :func:`require_resident` refuses a step while any state is still off the device;
+  come back with ``engine.reload_states(non_blocking=True)``. Under ZeRO-3 dsrl moves the fp32 master partitions and
+  the optimizer's state tensors itself, the way DeepSpeed's stage-3 offload does (a pinned host buffer per tensor,
+  reused, takes its ``.data``), because that offload asserts DeepSpeed's FusedAdam: the run's optimizer must be
+  the one it has with the offload off (on the CPU torch's AdamW; before, the offload switched a ZeRO-3 run to
+  DeepSpeed's FusedAdam, whose update differs in the last bits, so the first step after an update differed).
+  DeepSpeed's ZeRO buffers are flat (one per parameter group), so each state moves in a few coalesced copies. The
+  low-precision weights (lp_params) stay: generation and the no-grad passes compute with them. The values do not
+  change in transit, so training is bitwise the same with the offload on or off; :func:`require_resident` refuses
+  a step while any state is still off the device;
 - :class:`FrozenWeights`: a frozen model beside the policy (the KL reference, a reward model) leaves the device
   after each of its passes and comes back before the next. Its tensors are packed, per dtype, into one pinned host
   buffer, written once (the weights are frozen), and back into one device buffer per dtype on reload, each tensor
@@ -17,12 +22,9 @@
 
 Where DeepSpeed 0.19.8 cannot offload (:func:`offload_refusal`): ZeRO-0 (no ZeRO optimizer; a rule of
 :mod:`dsrl.config.support`), ZeRO-1 with bf16 and fp32 gradient accumulation (DeepSpeed runs it with its
-BF16_Optimizer, which has no ``offload_states``), ZeRO-3 with any optimizer but DeepSpeed's FusedAdam (its
-stage-3 ``offload_states`` asserts "Offloading is supported only for DeepSpeed FusedAdam"), ZeRO-3 with parameter
-offload ("Moving states across devices is not supported for offloaded parameters"). With ``offload_optimizer``
-DeepSpeed already keeps the optimizer states and master weights on the host and moves the rest. On the CPU
-accelerator dsrl lets DeepSpeed build its FusedAdam for ZeRO-3 runs that offload (a one-time JIT build, cached),
-instead of torch's AdamW.
+BF16_Optimizer, which has no ``offload_states``), ZeRO-3 with parameter offload ("Moving states across devices is
+not supported for offloaded parameters"). With ``offload_optimizer`` DeepSpeed already keeps the optimizer states
+and master weights on the host and moves the rest.
 
 Bytes are measured, not estimated (:mod:`dsrl.core.traffic`): on an accelerator the drop (offload) or rise
 (reload) of its allocator's allocated bytes; on the CPU accelerator (one memory) the bytes of the state tensors whose
@@ -53,11 +55,11 @@ from dsrl.config import MemoryConfig
 from dsrl.core.traffic import Moved, TrafficMeter, traffic_record
 
 TRAINING_STATES = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
-ADAM_TYPES = ("adam", "adamw")
+ZERO3_DEEPSPEED_STATES = ("lp_grads", "contiguous_grad_buffer")  # ZeRO-3: dsrl moves hp_params, optim_states
 ALIGN_BYTES = 64
 
 
-def offload_refusal(ds_config: dict[str, Any], client_optimizer: Any = None) -> str | None:
+def offload_refusal(ds_config: dict[str, Any]) -> str | None:
     """Why DeepSpeed cannot offload this run's training state (one sentence with the fix), or None when it can.
     ``ds_config`` is the one DeepSpeed will see; ZeRO-0 is refused with the run file (``offload-zero0``)."""
     zero = ds_config.get("zero_optimization") if isinstance(ds_config.get("zero_optimization"), dict) else {}
@@ -77,21 +79,7 @@ def offload_refusal(ds_config: dict[str, Any], client_optimizer: Any = None) -> 
                 "DeepSpeed's offload_states refuses engines whose parameters are offloaded (\"Moving states across "
                 "devices is not supported for offloaded parameters\"). Fix: remove offload_param, or set "
                 "memory.offload_states to false.")
-    if optimizer_device not in ("none", ""):
-        return None  # DeepSpeed keeps optimizer states and master weights on the host itself and moves the rest
-    opt = ds_config.get("optimizer") if isinstance(ds_config.get("optimizer"), dict) else None
-    params = (opt or {}).get("params") or {}
-    kind = str((opt or {}).get("type", "")).lower()
-    if client_optimizer is not None or kind not in ADAM_TYPES or params.get("torch_adam") or params.get("amsgrad"):
-        what = ("a client optimizer" if client_optimizer is not None else
-                "torch's Adam (torch_adam)" if kind in ADAM_TYPES and params.get("torch_adam") else
-                "amsgrad" if kind in ADAM_TYPES else f"optimizer type {(opt or {}).get('type')!r}")
-        return (f"dsrl.memory.offload_states under ZeRO-3 with {what}: DeepSpeed 0.19.8 offloads a stage-3 optimizer's "
-                "states only for its own FusedAdam (\"Offloading is supported only for DeepSpeed FusedAdam\"). Fix: "
-                "use a ds_config optimizer of type Adam or AdamW without torch_adam or amsgrad (dsrl then leaves "
-                "DeepSpeed's FusedAdam in place, on the CPU a one-time JIT build), ZeRO 1-2, or set "
-                "memory.offload_states to false.")
-    return None
+    return None  # any optimizer: dsrl moves ZeRO-3's master weights and optimizer states itself (EngineStates)
 
 
 def require_resident(engine: Any) -> None:
@@ -143,10 +131,14 @@ class EngineStates:
     recorded in ``meter``."""
 
     def __init__(self, engine: Any, meter: TrafficMeter):
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
         self.engine, self.meter = engine, meter
         self.offloaded = False
         self._away: dict[int, int] = {}
-        self._host_buffers: dict[Any, dict[str, torch.Tensor]] = {}  # ZeRO-3's pinned Adam buffers while resident
+        self._zero3 = isinstance(getattr(engine, "optimizer", None), DeepSpeedZeroOptimizer_Stage3)
+        self._pinned: dict[tuple[Any, ...], torch.Tensor] = {}  # ZeRO-3: dsrl's host buffers, reused by each offload
+        self._moved: list[tuple[torch.Tensor, torch.device]] = []  # ZeRO-3: on the host now, and where from
 
     def offload(self) -> None:
         if not self.offloaded:
@@ -162,10 +154,12 @@ class EngineStates:
         before = _storages(state_tensors(self.engine))
         allocated = _allocated()
         t0 = time.perf_counter()
-        self._restore_host_buffers()
         with heap_frozen():
-            self.engine.offload_states(include=[OffloadStateTypeEnum(s) for s in TRAINING_STATES], pin_memory=True,
+            states = ZERO3_DEEPSPEED_STATES if self._zero3 else TRAINING_STATES
+            self.engine.offload_states(include=[OffloadStateTypeEnum(s) for s in states], pin_memory=True,
                                        non_blocking=True)
+            if self._zero3:
+                self._offload_master()
         seconds = time.perf_counter() - t0
         after = _storages(state_tensors(self.engine))
         self._away = after
@@ -178,8 +172,8 @@ class EngineStates:
         allocated = _allocated()
         t0 = time.perf_counter()
         with heap_frozen():
+            self._reload_master()  # queued first: DeepSpeed's non-blocking reload synchronizes at its end
             self.engine.reload_states(non_blocking=True)
-        self._stash_host_buffers()
         seconds = time.perf_counter() - t0
         after = _storages(state_tensors(self.engine))
         moved = sum(n for ptr, n in after.items() if ptr not in self._away)
@@ -188,29 +182,40 @@ class EngineStates:
         self.offloaded, self._away = False, {}
         return Moved(seconds, moved)
 
+    def _master(self) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+        """ZeRO-3's fp32 master partitions (one flat tensor per sub-group, the parameters of the wrapped optimizer)
+        and the wrapped optimizer's state tensors of each (0-dim ones, a step count, aside), named by position."""
+        opt = self.engine.optimizer
+        state = getattr(getattr(opt, "optimizer", None), "state", None) or {}
+        for i, flat in enumerate(opt.fp32_partitioned_groups_flat):
+            yield ("hp_params", i), flat
+            for key, value in (state.get(flat) or {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    yield ("optim_states", i, key), value
 
-    def _adam_state(self) -> dict[Any, dict[str, Any]]:
-        return getattr(getattr(getattr(self.engine, "optimizer", None), "optimizer", None), "state", None) or {}
+    def _offload_master(self) -> None:
+        """What DeepSpeed's stage-3 ``offload_states`` does for hp_params and optim_states (a pinned host buffer per
+        tensor, kept for the next offload, takes the tensor's ``.data``), for any optimizer: DeepSpeed asserts its own
+        FusedAdam there, and dsrl's choice of optimizer must not depend on the offload (module docstring). The
+        buffers are dsrl's, never in the optimizer's state (which a checkpoint saves). Tensors already on the host
+        (``offload_optimizer``) stay."""
+        from deepspeed.accelerator import get_accelerator
 
-    def _stash_host_buffers(self) -> None:
-        """ZeRO-3's offload keeps its pinned copies of Adam's moments in the optimizer's state (keys
-        ``exp_avg_offload_buffer``, ``exp_avg_sq_offload_buffer``), where a checkpoint would save them and a resume
-        would load them onto the device (and the next offload would then "offload" into device memory). While the
-        state is resident they are kept here instead, and put back for the next offload, which reuses them."""
-        from deepspeed.runtime.zero.offload_states import _make_offload_state_key
+        device = torch.device(get_accelerator().current_device_name())
+        for name, t in self._master():
+            if t.device != device:
+                continue
+            host = self._pinned.get(name)
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = self._pinned[name] = get_accelerator().pin_memory(torch.empty_like(t, device="cpu"))
+            host.copy_(t.data, non_blocking=True)
+            t.data = host
+            self._moved.append((t, device))
 
-        keys = {_make_offload_state_key(k) for k in ("exp_avg", "exp_avg_sq")}
-        for param, state in self._adam_state().items():
-            held = {k: state.pop(k) for k in list(state) if k in keys}
-            if held:
-                self._host_buffers[param] = held
-
-    def _restore_host_buffers(self) -> None:
-        state = self._adam_state()
-        for param, held in self._host_buffers.items():
-            if param in state:
-                state[param].update(held)
-        self._host_buffers = {}
+    def _reload_master(self) -> None:
+        for t, device in self._moved:
+            t.data = t.data.to(device, non_blocking=True)
+        self._moved = []
 
 
 @contextlib.contextmanager

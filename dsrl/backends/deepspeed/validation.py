@@ -79,7 +79,7 @@ def validated_deepspeed_config(
     ds = resolve_deepspeed_config(cfg, plan, on_gpu=on_gpu, bf16_supported=bf16_supported)
     if cfg.dsrl.model.lora is not None:
         check_lora_run(ds)
-    if cfg.dsrl.memory.offload_states and (reason := offload_refusal(ds, client_optimizer)):
+    if cfg.dsrl.memory.offload_states and (reason := offload_refusal(ds)):
         raise ConfigError(reason)
     with deepspeed_warnings() as warned:
         ds_cfg = check_with_deepspeed(ds, mpu=mpu, client_optimizer=client_optimizer)
