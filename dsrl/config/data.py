@@ -152,8 +152,8 @@ class DataConfig(Section):
             raise ConfigError(
                 f"{self.PATH}.reward_fn, {self.PATH}.reward_model and {self.PATH}.environment are unset but prompts "
                 f"come from {self.PATH}.path = {self.path!r}, which has no built-in reward. Fix: set "
-                f"{self.PATH}.reward_fn to a built-in ('math' or 'exact') or to 'package.module:function' taking "
-                "(prompts, completions, answers) and "
+                f"{self.PATH}.reward_fn to a built-in ('math', 'exact' or 'reasoning_gym') or to "
+                "'package.module:function' taking (prompts, completions, answers) and "
                 f"returning one float per completion, {self.PATH}.reward_model to a local sequence-classification "
                 f"model directory, or {self.PATH}.environment to an environment factory whose episodes give rewards."
             )

@@ -98,8 +98,9 @@ ROUTING_REPLAY_MODES: tuple[str, ...] = get_args(RoutingReplay)
 REPLAY_OFF, REPLAY_ROLLOUT = ROUTING_REPLAY_MODES
 # Prompt file suffix -> the datasets builder that reads it (dsrl.data).
 PROMPT_FILE_FORMATS: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-# Verifiable rewards built in, named in dsrl.data.reward_fn instead of a dotted path (dsrl.tasks.verifiable).
-BuiltinReward = Literal["math", "exact"]
+# Verifiable rewards built in, named in dsrl.data.reward_fn instead of a dotted path (dsrl.tasks.verifiable; the
+# procedural tasks' own scorers: dsrl.tasks.procedural).
+BuiltinReward = Literal["math", "exact", "reasoning_gym"]
 BUILTIN_REWARDS: tuple[str, ...] = get_args(BuiltinReward)
 # What happens to a prompt longer than dsrl.data.max_prompt_tokens (dsrl.rl.data.prompts): the run is refused
 # before any work, naming how many and the bound that fits (error), or the prompt keeps its last tokens and the

@@ -71,11 +71,20 @@ def as_batched(fn: Callable[..., Any], field_name: str = "dsrl.data.reward_fn", 
     return RewardCaller(fn, field_name=field_name, spec=spec, timeout_s=timeout_s)
 
 
-def builtin_reward(name: str, timeout_s: float | None = None) -> Callable[..., list[float]]:
-    """The built-in verifiable reward ``name`` (``math`` or ``exact``), batched; ``math`` bounds each comparison by
-    ``min(timeout_s, SAMPLE_TIMEOUT_S)``. Without math-verify, ``math`` is a ConfigError naming the extra."""
+def builtin_reward(name: str, timeout_s: float | None = None, accuracy: bool = False) -> Callable[..., list[float]]:
+    """The built-in verifiable reward ``name`` (``math``, ``exact`` or ``reasoning_gym``), batched; with ``accuracy``
+    its accuracy (1.0 / 0.0: the same function for ``math`` and ``exact``, whose rewards are 1.0 / 0.0 already; a full
+    score for ``reasoning_gym``, whose scorers give partial credit). ``math`` bounds each comparison by
+    ``min(timeout_s, SAMPLE_TIMEOUT_S)``. Without its package (math-verify, reasoning-gym), a ConfigError naming the
+    extra."""
     from dsrl.tasks import verifiable
 
+    if name == "reasoning_gym":
+        from dsrl.tasks import procedural
+
+        if not procedural.has_reasoning_gym():
+            raise ConfigError(f"dsrl.data.reward_fn = {name!r}: {procedural.GYM_EXTRA}")
+        return procedural.gym_accuracy if accuracy else procedural.gym_reward
     if name == "exact":
         return verifiable.exact_reward
     if not verifiable.has_math_verify():
@@ -109,7 +118,9 @@ def load_reward_fn(data_cfg: DataConfig) -> RewardFn | None:
     reward, :mod:`dsrl.rl.episodes.driver`)."""
     t = data_cfg.reward_timeout_s
     if data_cfg.reward_fn in BUILTIN_REWARDS:
-        return as_batched(builtin_reward(data_cfg.reward_fn, t), spec=data_cfg.reward_fn, timeout_s=t)
+        fn = as_batched(builtin_reward(data_cfg.reward_fn, t), spec=data_cfg.reward_fn, timeout_s=t)
+        _check_columns(fn, data_cfg)
+        return fn
     if data_cfg.reward_fn:
         fn = as_batched(import_object(data_cfg.reward_fn), spec=data_cfg.reward_fn, timeout_s=t)
         _check_columns(fn, data_cfg)
@@ -127,7 +138,7 @@ def load_accuracy_fn(data_cfg: DataConfig) -> RewardFn | None:
     or an environment on a dataset."""
     if data_cfg.reward_fn in BUILTIN_REWARDS:
         t = data_cfg.reward_timeout_s
-        return as_batched(builtin_reward(data_cfg.reward_fn, t), spec=data_cfg.reward_fn, timeout_s=t)
+        return as_batched(builtin_reward(data_cfg.reward_fn, t, accuracy=True), spec=data_cfg.reward_fn, timeout_s=t)
     if not data_cfg.task or data_cfg.path:
         return None
     from dsrl.tasks import get_task
