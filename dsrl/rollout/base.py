@@ -112,15 +112,24 @@ class RolloutBackend(ABC):
                                   "evaluation's); use rollout.backend 'hf', 'cb', 'auto' or 'vllm'")
 
 
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(e) for e in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None) -> list[int]:
-    """The end-of-sequence token ids: the tokenizer's, else the model's generation config's."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None and model is not None:
+    """The end-of-sequence token ids: the tokenizer's first, then those the model's generation config adds (a chat
+    model's authors list every token that ends its turn there, e.g. Qwen2.5-Instruct's ``<|endoftext|>`` beside
+    the tokenizer's ``<|im_end|>``, Llama-3.1's ``<|eom_id|>`` beside ``<|eot_id|>``). Nothing else of the
+    generation config is read: sampling and lengths come from the run file alone."""
+    ids = _ids(getattr(tokenizer, "eos_token_id", None))
+    if model is not None:
         gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None)
-    if eos is None:
+        ids += [e for e in _ids(getattr(gen, "eos_token_id", None)) if e not in ids]
+    if not ids:
         raise ValueError("the tokenizer has no eos_token_id; generation could never stop a completion")
-    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+    return ids
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None,

@@ -156,6 +156,41 @@ def _token_ids(tokenizer: Any, prompts: Sequence[Any], chat_template: bool,
     return out  # type: ignore[return-value]
 
 
+def template_system_prompt(tokenizer: Any) -> str | None:
+    """The system prompt the tokenizer's chat template puts before a conversation that has none (SmolLM2's "You are
+    a helpful AI assistant named SmolLM, ..."), or None when it adds none. Found without knowing the template:
+    a conversation rendered with a marker system message, and again without one; what the template writes where the
+    marker stood is its own default."""
+    marker, user = "\x00dsrl-system\x00", [{"role": "user", "content": "\x00dsrl-user\x00"}]
+    try:
+        given = tokenizer.apply_chat_template([{"role": "system", "content": marker}, *user], tokenize=False)
+        plain = tokenizer.apply_chat_template(user, tokenize=False)
+    except Exception:  # a template that refuses a system role has no default of its own to show
+        return None
+    before, found, after = given.partition(marker)
+    if not found or not plain.endswith(after) or not plain.startswith(before):
+        return None
+    default = plain[len(before):len(plain) - len(after)]
+    return default or None
+
+
+def describe_rendering(tokenizer: Any, prompt: Any, data_cfg: DataConfig, limit: int = 400) -> str:
+    """One sentence a user reads at the start of a run: the first prompt as the model sees it (chat template and
+    generation prompt included, :func:`encode`'s tokens decoded), and, where the chat template puts a system prompt
+    of its own before prompts that have none, that text and the setting that replaces it."""
+    ids = encode(tokenizer, [prompt], 1 << 30, data_cfg.chat_template, data_cfg.system_prompt).ids[0]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    shown = repr(text if len(text) <= limit else text[:limit] + "...")
+    out = f"the model sees each prompt as {len(ids)} tokens like {shown}"
+    chat = data_cfg.chat_template or isinstance(prompt, list)
+    has_own = isinstance(prompt, list) and bool(prompt) and prompt[0].get("role") == "system"
+    default = template_system_prompt(tokenizer) if chat and not data_cfg.system_prompt and not has_own else None
+    if default:
+        out += (f"; the chat template puts its own system prompt before every prompt: {default.strip()!r} (set "
+                "dsrl.data.system_prompt to replace it)")
+    return out
+
+
 def encode(tokenizer: Any, prompts: Sequence[Any], max_prompt_tokens: int, chat_template: bool,
            system_prompt: str | None = None) -> EncodedPrompts:
     """Token ids per prompt, at most ``max_prompt_tokens`` long, truncated on the left, and the count truncated.

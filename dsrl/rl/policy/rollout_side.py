@@ -168,19 +168,47 @@ class RolloutSide:
         return generation_workload(device, resolve_dtype(st.model.dtype, self.on_gpu), attn, parameters, st.rollout,
                                    self.call_bounds(prompts_per_call), tensor_parallel, expert_parallel)
 
-    def _model_facts(self) -> tuple[int, str | None]:
-        """(parameters, attention implementation) of the policy as :meth:`build_model` would build it, counted on
-        the meta device (no weights read or allocated)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def model_config(self) -> Any:
+        """The policy's transformers config, read without its weights: ``model.path``'s config.json, or the tiny
+        model's."""
+        from transformers import AutoConfig
 
         from dsrl.rl.policy.model import tiny_config
-        from dsrl.rollout.cb import num_parameters
 
         m, tok = self.settings.model, self.tokenizer
         if m.path:
-            config = AutoConfig.from_pretrained(m.path, local_files_only=True)
-        else:
-            config = tiny_config(m.arch, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, m.tiny)
+            return AutoConfig.from_pretrained(m.path, local_files_only=True)
+        return tiny_config(m.arch, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, m.tiny)
+
+    def check_context_length(self) -> None:
+        """Refuse, before the model is built, a run whose longest sequence -- ``data.max_prompt_tokens`` plus the
+        completion (``rollout.max_new_tokens``, with an environment the trajectory bound and one more turn), in
+        training or in an evaluation (``eval.max_new_tokens``) -- does not fit the model's positions
+        (``max_position_embeddings``): past them the model has no trained position, so the run would train on
+        nonsense or fail mid-way."""
+        config = self.model_config()
+        limit = getattr(config, "max_position_embeddings", None)
+        st = self.settings
+        longest = max(st.max_generation_tokens, st.max_eval_generation_tokens)
+        if not isinstance(limit, int) or longest <= limit:
+            return
+        where = f"{st.model.path}/config.json" if st.model.path else "the tiny model's config (dsrl.model.tiny)"
+        evaluation = st.max_eval_generation_tokens > st.max_generation_tokens
+        new = "dsrl.eval.max_new_tokens" if evaluation else "dsrl.rollout.max_new_tokens"
+        raise ConfigError(
+            f"dsrl.data.max_prompt_tokens plus {new} (and any multi-turn budget) make sequences of up to {longest} "
+            f"tokens, more than the model's max_position_embeddings = {limit} ({where}): positions past it were never "
+            f"trained. Fix: lower dsrl.data.max_prompt_tokens or {new} so that they fit {limit} tokens.")
+
+    def _model_facts(self) -> tuple[int, str | None]:
+        """(parameters, attention implementation) of the policy as :meth:`build_model` would build it, counted on
+        the meta device (no weights read or allocated)."""
+        from transformers import AutoModelForCausalLM
+
+        from dsrl.rollout.cb import num_parameters
+
+        m = self.settings.model
+        config = self.model_config()
         attn = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
         try:
             with torch.device("meta"):
