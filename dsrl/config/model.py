@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from dsrl.config.errors import ConfigError
 from dsrl.config.names import RoutingReplay, TinyArch
@@ -61,6 +61,12 @@ class ModelConfig(Section):
         False, "padding-free micro-batches: sequences packed into one row, position_ids restarting per sequence "
                "and no attention mask (transformers builds the block-diagonal mask on sdpa/eager, varlen kernels "
                "on flash attention); the token budget then counts real tokens only")
+    share_prompts: bool = setting(
+        False, "prompt-shared forwards in the training and log-prob passes: each distinct prompt of a micro-batch "
+               "runs once, followed by the completions of its samples (a 4-D attention mask keeps each completion "
+               "to its prompt and itself), and mini-batches and micro-batches keep a prompt's samples together; the "
+               "same function as padded rows up to float rounding, fewer positions when G samples share prompts "
+               "longer than their completions (docs/rollout.md); sdpa or eager attention")
     lora: LoraConfig | None = setting(
         None, "LoRA adapters as the only trainable parameters; unset = full fine-tuning")
     routing_replay: RoutingReplay = setting(
@@ -70,3 +76,24 @@ class ModelConfig(Section):
     router_aux_loss_coef: float = setting(
         0.0, "mixture-of-experts policies: coefficient of the router's load-balancing loss in the objective, a "
              "per-token term aggregated like the policy loss (docs/moe.md); 0 = not part of the objective", ge=0)
+
+    @model_validator(mode="after")
+    def _shared_prompts_alone(self) -> ModelConfig:
+        """`share_prompts` lays rows out itself: not with `packing` (another layout), flash attention (which takes
+        no 4-D mask) or a mixture-of-experts policy's replayed or counted routes (laid out per padded row)."""
+        if not self.share_prompts:
+            return self
+        p = f"{self.PATH}.share_prompts"
+        if self.packing:
+            raise ConfigError(f"{p} and {self.PATH}.packing are both set; they lay micro-batches out in two different "
+                              "ways. Fix: keep one (share_prompts when samples share long prompts, packing otherwise).")
+        if self.attn_implementation and self.attn_implementation.startswith("flash"):
+            raise ConfigError(f"{p} with {self.PATH}.attn_implementation = {self.attn_implementation!r}: the shared "
+                              "rows need a 4-D attention mask, which flash attention does not take. Fix: use 'sdpa' "
+                              "(or 'eager'), or set share_prompts to false.")
+        if self.routing_replay != "off" or self.router_aux_loss_coef > 0:
+            raise ConfigError(f"{p} with a mixture-of-experts policy's routes ({self.PATH}.routing_replay = "
+                              f"{self.routing_replay!r}, router_aux_loss_coef = {self.router_aux_loss_coef:g}): routes "
+                              "are laid out per padded row. Fix: set share_prompts to false, or routing_replay to "
+                              "'off' and router_aux_loss_coef to 0.")
+        return self

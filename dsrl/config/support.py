@@ -69,6 +69,7 @@ class Setup:
     routing_replay: str = _feature(REPLAY_OFF, "model.routing_replay")  # a mixture-of-experts policy's routes (R3)
     router_aux_loss: bool = _feature(False, "model.router_aux_loss_coef")  # > 0: the load-balancing term is trained
     offload_states: bool = _feature(False, "memory.offload_states")  # training state off the device between phases
+    share_prompts: bool = _feature(False, "model.share_prompts")  # prompt-shared forwards (dsrl.rl.data.prefix)
 
     @classmethod
     def of(cls, dsrl: DsrlConfig, ds_config: dict[str, Any]) -> Setup:
@@ -91,7 +92,7 @@ class Setup:
                    expert_parallel=isinstance(experts, dict) and bool(experts.get("enabled", False)),
                    algorithm=algorithm.name, dynamic_sampling=bool(dynamic),
                    routing_replay=dsrl.model.routing_replay, router_aux_loss=dsrl.model.router_aux_loss_coef > 0,
-                   offload_states=dsrl.memory.offload_states)
+                   offload_states=dsrl.memory.offload_states, share_prompts=dsrl.model.share_prompts)
 
     def replace(self, **features: Any) -> Setup:
         return dataclasses.replace(self, **features)
@@ -269,6 +270,14 @@ RULES: tuple[Rule, ...] = (
          "dsrl.model.router_aux_loss_coef > 0 with sequence_parallel_size = {sequence_parallel_size}: the "
          "load-balancing term counts routes per position, which each rank holds a shard of. Fix: set "
          "sequence_parallel_size to 1, or router_aux_loss_coef to 0."),
+    # prompt-shared forwards (docs/rollout.md); flash attention, packing and MoE routes: dsrl.config.model
+    Rule("share-prompts-sequence-parallel", {"share_prompts": Is(True), "sequence_parallel_size": AtLeast(2)},
+         "dsrl.model.share_prompts with sequence_parallel_size = {sequence_parallel_size}: Ulysses splits each row's "
+         "positions over ranks, and a shared row's attention mask spans the whole row. Fix: set share_prompts to "
+         "false, or sequence_parallel_size to 1."),
+    Rule("share-prompts-autotp", {"share_prompts": Is(True), "autotp_size": _AUTOTP},
+         "dsrl.model.share_prompts with tensor_parallel.autotp_size = {autotp_size}: shared rows are not tested under "
+         "AutoTP yet. Fix: set share_prompts to false, or autotp_size to 1 (ZeRO-3 shards the model instead)."),
     # device memory between phases (docs/memory.md); the ZeRO-3 optimizer condition needs the resolved optimizer
     # and lives in dsrl.backends.deepspeed.validation
     Rule("offload-zero0", {"offload_states": Is(True), "zero_stage": Is(0)},

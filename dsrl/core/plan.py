@@ -66,6 +66,7 @@ class BatchPlan:
     allow_oversize: bool = False  # token budget: a sequence longer than T is placed alone
     balance_attention_coef: float = 0.0  # token budget: rank cost = tokens + coef * tokens^2 / T
     packing: bool = False  # micro-batches are padding-free packed rows (dsrl.model.packing)
+    share_prompts: bool = False  # a prompt's samples together, one run of each prompt per micro-batch
     placement: str = COLOCATED  # rollout.placement (ARCHITECTURE §8)
     generator_ranks: int = 0  # ranks that only generate (disaggregated); D counts the trainer ranks only
     max_staleness: int = 0  # k: a sample of version v is trained while the trainer is at version <= v + k
@@ -187,6 +188,7 @@ class BatchPlan:
             allow_oversize=b.allow_oversize,
             balance_attention_coef=b.balance_attention_coef,
             packing=d.model.packing,
+            share_prompts=d.model.share_prompts,
             placement=d.rollout.placement,
             generator_ranks=N,
             max_staleness=d.max_staleness,

@@ -62,6 +62,8 @@ def _run_file(setup: Setup) -> dict:
         raw["dsrl"]["model"]["router_aux_loss_coef"] = 0.01
     if setup.offload_states:
         raw["dsrl"]["memory"] = {"offload_states": True}
+    if setup.share_prompts:
+        raw["dsrl"]["model"]["share_prompts"] = True
     return raw
 
 

@@ -21,7 +21,10 @@ re-partitioned every epoch. :func:`collate` turns samples into a right-padded mi
   completion token, in :func:`completion_positions` order. It stays on the host (the index the passes make
   of it then costs no device synchronization), whatever ``device`` the other tensors go to.
 - ``routes[b, t, layer, k]`` (a mixture-of-experts policy's samples carrying routes, :mod:`dsrl.rollout.routes`):
-  the experts of input position t, aligned with ``input_ids``; FREE (-1) at padding.
+  the experts of input position t, aligned with ``input_ids``; FREE (-1) at padding;
+- with ``shared`` (``dsrl.model.share_prompts``), the prompt-shared rows the forward runs instead of ``input_ids``
+  (:mod:`dsrl.rl.data.prefix`: each distinct prompt once, its samples' completions after it); every other tensor
+  keeps the padded layout.
 
 Per-token data (log-probs, values, returns, advantages) is a field of the :class:`Sample`, so it
 travels with the sample whichever way a rollout is exchanged between ranks.
@@ -38,6 +41,7 @@ import torch
 
 from dsrl.core.logprobs import LOGPROB_MASK
 from dsrl.core.routes import FREE, ROUTE_DTYPE, sequence_routes
+from dsrl.rl.data.prefix import prefix_inputs
 
 
 @dataclass
@@ -105,8 +109,9 @@ class Sample:
 
 
 def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu",
-            with_logprobs: bool = True) -> dict[str, torch.Tensor]:
-    """Right-padded micro-batch tensors for ``samples`` (padded to their own longest)."""
+            with_logprobs: bool = True, shared: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded micro-batch tensors for ``samples`` (padded to their own longest); with ``shared`` also the
+    prompt-shared layout the forward runs instead (:mod:`dsrl.rl.data.prefix`)."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     b, width = len(samples), max(s.length for s in samples)
@@ -152,6 +157,8 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
     }
     if any(s.routes is not None for s in samples):
         out["routes"] = collate_routes(samples, width)
+    if shared:
+        out.update(prefix_inputs([s.tokens for s in samples], [s.prompt_len for s in samples], pad_id))
     return {**{k: v.to(device) for k, v in out.items()}, LOGPROB_MASK: logprob_mask}
 
 
@@ -221,9 +228,11 @@ class PassBatches:
 
     @classmethod
     def of(cls, samples: list[Sample], micro_batch_size: int, pad_id: int,
-           device: torch.device | str = "cpu") -> PassBatches:
+           device: torch.device | str = "cpu", shared: bool = False) -> PassBatches:
+        """``micro_batch_size`` samples per micro-batch in sample order (a prompt's samples are neighbours, so
+        ``shared`` runs each prompt once per micro-batch)."""
         groups = chunks(samples, micro_batch_size)
-        return cls(groups, [collate(g, pad_id, device, with_logprobs=False) for g in groups])
+        return cls(groups, [collate(g, pad_id, device, with_logprobs=False, shared=shared) for g in groups])
 
     def per_sample(self, outs: list[torch.Tensor]) -> list[list[float]]:
         """A pass's ``[b, t]`` outputs (one per micro-batch) as each sample's completion values, in sample order

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from dsrl.core.parallel import ParallelView
 from dsrl.core.partition import mini_batches, partition_mini_batch
 from dsrl.core.plan import BatchPlan
+from dsrl.core.prompt_partition import grouped_mini_batches, prompt_micro_batches
 from dsrl.rl.data.batching import Sample, collate, collate_packed
 from dsrl.rl.data.codec import decode_sample, encode_sample
 
@@ -80,11 +81,14 @@ def my_part(view: ParallelView, per_replica: Sequence[T]) -> T:
 
 def my_micro_batches(samples: Mapping[int, Sample] | Sequence[Sample], per_replica: Sequence[list[list[int]]],
                      view: ParallelView, pad_id: int, device: torch.device | str,
-                     packed: bool = False) -> list[dict[str, torch.Tensor]]:
+                     packed: bool = False, shared: bool = False) -> list[dict[str, torch.Tensor]]:
     """This rank's collated micro-batches of one partitioned mini-batch (``samples[i]`` is sample ``i``;
-    padded rows, or packed ones with ``packed``), empty micro-batches left out (rule 4)."""
-    make = collate_packed if packed else collate
-    return [make([samples[i] for i in ids], pad_id, device) for ids in my_part(view, per_replica) if ids]
+    padded rows, packed ones with ``packed``, with prompt-shared rows for the forward with ``shared``), empty
+    micro-batches left out (rule 4)."""
+    if packed:
+        return [collate_packed([samples[i] for i in ids], pad_id, device) for ids in my_part(view, per_replica) if ids]
+    return [collate([samples[i] for i in ids], pad_id, device, shared=shared)
+            for ids in my_part(view, per_replica) if ids]
 
 
 def needed_by_replica(partitions: Sequence[Partition], replicas: int, size: int) -> list[list[int]]:
@@ -118,6 +122,8 @@ class RolloutIndex:
     counts: list[int]
     lengths: np.ndarray
     sizes: np.ndarray
+    groups: np.ndarray | None = None  # each sample's prompt group (Sample.group); None where not gathered
+    prompt_lens: np.ndarray | None = None
     rank: int = 0
     local: list[Any] = field(default_factory=list)
     payloads: list[bytes] = field(default_factory=list)
@@ -142,10 +148,10 @@ class RolloutIndex:
         return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
 
     @classmethod
-    def from_metadata(cls, metadata: Sequence[tuple[int, bool, Sequence[int], Sequence[int]]], rank: int = 0,
+    def from_metadata(cls, metadata: Sequence[tuple[Any, ...]], rank: int = 0,
                       local: Sequence[Any] = (), payloads: Sequence[bytes] = ()) -> RolloutIndex:
-        """The index from every rank's ``(replica, is source, lengths, sizes)`` in global rank order;
-        non-sources' lists are ignored. Every replica ``0..D-1`` must have exactly one source."""
+        """The index from every rank's ``(replica, is source, lengths, sizes[, groups, prompt lengths])`` in global
+        rank order; non-sources' lists are ignored. Every replica ``0..D-1`` must have exactly one source."""
         replicas = [int(m[0]) for m in metadata]
         sources = [r for r, m in enumerate(metadata) if m[1]]
         per_replica = sorted(replicas[r] for r in sources)
@@ -157,7 +163,11 @@ class RolloutIndex:
         sizes = np.asarray([x for m in metadata if m[1] for x in m[3]], dtype=np.int64)
         if sizes.size != lengths.size:
             raise RuntimeError(f"{lengths.size} sample lengths but {sizes.size} sizes")
-        return cls(replicas, counts, lengths, sizes, rank, list(local), list(payloads))
+        groups = prompt_lens = None
+        if all(len(m) > 4 for m in metadata):
+            groups = np.asarray([x for m in metadata if m[1] for x in m[4]], dtype=np.int64)
+            prompt_lens = np.asarray([x for m in metadata if m[1] for x in m[5]], dtype=np.int64)
+        return cls(replicas, counts, lengths, sizes, groups, prompt_lens, rank, list(local), list(payloads))
 
     @classmethod
     def gather(cls, view: ParallelView, local: Sequence[Any]) -> RolloutIndex:
@@ -165,11 +175,13 @@ class RolloutIndex:
         sources, their samples' lengths (``sample.length``) and encoded sizes (rule 3)."""
         local = list(local)
         lengths = [int(s.length) for s in local]
+        groups, prompt_lens = [int(s.group) for s in local], [int(s.prompt_len) for s in local]
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return cls.from_metadata([(0, True, lengths, [0] * len(lengths))], 0, local)
+            return cls.from_metadata([(0, True, lengths, [0] * len(lengths), groups, prompt_lens)], 0, local)
         source = is_source(view)
         payloads = [encode_sample(s) for s in local] if source else []
-        meta = (view.data_parallel_rank, source, lengths if source else [], [len(p) for p in payloads])
+        meta = (view.data_parallel_rank, source, lengths if source else [], [len(p) for p in payloads],
+                groups if source else [], prompt_lens if source else [])
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, meta)
         return cls.from_metadata(gathered, dist.get_rank(), local if source else [], payloads)
@@ -235,10 +247,17 @@ def rollout_micro_batches(local: Sequence[Sample], view: ParallelView, plan: Bat
     and into micro-batches (:mod:`dsrl.core.partition`); then one all-to-all moves each sample, once per rollout,
     to the ranks that train on it (rules 3-5), before the first mini-batch is yielded."""
     index = RolloutIndex.gather(view, local)
-    steps = [partition_mini_batch(mb, index.lengths, plan)
-             for mb in mini_batches(index.size, plan.mini_batch_size, plan.epochs_per_rollout, seed=seed,
-                                    shuffle=shuffle)]
+    if plan.share_prompts:  # whole prompts per mini-batch and micro-batch (dsrl.core.prompt_partition)
+        batches = grouped_mini_batches(index.groups, plan.mini_batch_size, plan.epochs_per_rollout, seed=seed,
+                                       shuffle=shuffle)
+        steps = [partition_mini_batch(mb, index.lengths, plan) if plan.micro_batch_size_per_rank is not None else
+                 prompt_micro_batches(mb, index.lengths, index.groups, index.prompt_lens, plan.data_parallel_size,
+                                      plan.max_tokens_per_micro_batch, plan.allow_oversize) for mb in batches]
+    else:
+        steps = [partition_mini_batch(mb, index.lengths, plan)
+                 for mb in mini_batches(index.size, plan.mini_batch_size, plan.epochs_per_rollout, seed=seed,
+                                        shuffle=shuffle)]
     samples = index.exchange(steps, device)
     del index
     for per_rank in steps:
-        yield my_micro_batches(samples, per_rank, view, pad_id, device, plan.packing)
+        yield my_micro_batches(samples, per_rank, view, pad_id, device, plan.packing, plan.share_prompts)

@@ -38,6 +38,7 @@ from dsrl.core.errors import RunError
 from dsrl.core.forwards import NoGradPasses
 from dsrl.core.parallel import ParallelView
 from dsrl.rl.data.batching import PassBatches, Sample, completion_positions
+from dsrl.rl.data.prefix import PREFIX_INPUT_IDS
 from dsrl.rl.data.replica import is_source
 from dsrl.rl.policy.logprobs import forward_logprobs
 from dsrl.rl.policy.loss import PolicyLoss
@@ -51,16 +52,17 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ActorSettings:
     """What of the run file the actor reads: its ``algorithm`` section (KL coefficient and placement), the rollout's
-    sampling ``temperature`` (the log-probs are those of the tempered distribution) and the micro-batch size of the
-    no-grad passes (``rollout.logprob_micro_batch_size``)."""
+    sampling ``temperature`` (the log-probs are those of the tempered distribution), the micro-batch size of the
+    no-grad passes (``rollout.logprob_micro_batch_size``) and whether they share prompts (``model.share_prompts``)."""
 
     algorithm: AlgorithmConfig
     temperature: float
     logprob_micro_batch_size: int
+    share_prompts: bool = False  # model.share_prompts: the no-grad passes run each prompt once per micro-batch
 
     @classmethod
     def of(cls, d: DsrlConfig) -> ActorSettings:
-        return cls(d.algorithm, d.rollout.temperature, d.rollout.logprob_micro_batch_size)
+        return cls(d.algorithm, d.rollout.temperature, d.rollout.logprob_micro_batch_size, d.model.share_prompts)
 
 
 class PolicyActor:
@@ -124,7 +126,8 @@ class PolicyActor:
     def pass_batches(self, samples: list[Sample], pad_id: int) -> PassBatches:
         """The rollout's samples as the micro-batches of its no-grad passes (collated once, shared with the
         critic's values pass)."""
-        return PassBatches.of(samples, self.settings.logprob_micro_batch_size, pad_id, self.device)
+        return PassBatches.of(samples, self.settings.logprob_micro_batch_size, pad_id, self.device,
+                              shared=self.settings.share_prompts)
 
     def add_logprobs(self, batches: PassBatches, *, with_routes: bool = False,
                      kl_in_reward: bool = True) -> RouteMismatch | None:
@@ -227,7 +230,7 @@ class PolicyActor:
         t0 = time.perf_counter()
         res = self._step(micro_batches)
         res["step_s"] = time.perf_counter() - t0
-        res["padded_tokens"] = sum(int(m["input_ids"].numel()) for m in micro_batches)
+        res["padded_tokens"] = sum(int(m.get(PREFIX_INPUT_IDS, m["input_ids"]).numel()) for m in micro_batches)
         return res
 
     def _step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:

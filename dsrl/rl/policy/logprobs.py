@@ -27,7 +27,9 @@ log-prob passes never overlap on one rank).
 The selection: ``micro[LOGPROB_MASK]`` (``"logprob_mask"``, ``[b, t]`` bool, kept on the host by
 :func:`dsrl.rl.data.batching.collate`: the positions whose target is a completion token, observation
 tokens of a trajectory included), or every position when the micro-batch has none. A host mask becomes
-the index without a device synchronization (a device mask costs one).
+the index without a device synchronization (a device mask costs one). A micro-batch with prompt-shared rows
+(:mod:`dsrl.rl.data.prefix`) runs those rows and takes the same selection, in the same order, from their positions
+(``micro[PREFIX_INDEX]``); the statistics come back in the padded layout all the same.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from dsrl.core.logprobs import ENTROPY, LOGPROB, LOGPROB_MASK, TARGET_GAP, VocabShard, head_stats, logit_stats
+from dsrl.rl.data.prefix import PREFIX_ATTENTION_MASK, PREFIX_INDEX, PREFIX_INPUT_IDS, PREFIX_POSITION_IDS
 
 # transformers config fields of models that change the head's output before returning it as logits
 POSTPROCESSING_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -93,10 +96,15 @@ class TokenLogprobs:
 
 
 def run_causal_lm(model: Any, micro: dict[str, Any]) -> Any:
-    """The forward of a Hugging Face causal LM on a collated micro-batch (padded or packed rows).
+    """The forward of a Hugging Face causal LM on a collated micro-batch (padded or packed rows, or the prompt-shared
+    rows of :mod:`dsrl.rl.data.prefix` when the micro-batch holds them).
 
     Packed rows have no attention_mask: transformers derives the block-diagonal mask from ``position_ids``,
-    which it only does without a KV cache (``use_cache=False``)."""
+    which it only does without a KV cache (``use_cache=False``). Shared rows carry a 4-D mask, which transformers
+    uses as given."""
+    if PREFIX_INPUT_IDS in micro:
+        return model(input_ids=micro[PREFIX_INPUT_IDS], attention_mask=micro[PREFIX_ATTENTION_MASK],
+                     position_ids=micro[PREFIX_POSITION_IDS], use_cache=False)
     return model(input_ids=micro["input_ids"], attention_mask=micro.get("attention_mask"),
                  position_ids=micro["position_ids"], use_cache=False)
 
@@ -114,18 +122,22 @@ def forward_logprobs(model: Any, micro: dict[str, Any], *, temperature: float = 
     b, t = targets.shape
     index = _selection(micro, targets.device)
     chosen = targets.reshape(-1) if index is None else targets.reshape(-1).index_select(0, index)
+    # the positions the forward's rows give them at: the same, or those of the prompt-shared rows
+    shared = PREFIX_INDEX in micro
+    rows_index = micro[PREFIX_INDEX] if shared else index
+    rows_shape = tuple(micro[PREFIX_INPUT_IDS].shape) if shared else (b, t)
     options = {"temperature": temperature, "entropy": entropy, "entropy_grad": entropy_grad}
     fused = fused_head(_module_of(model))
     if isinstance(fused, str):
         _warn_once(fused)
         logits = _logits_of(run(model, micro))
-        rows = logits.reshape(b * t, logits.shape[-1])
-        rows = rows if index is None else rows.index_select(0, index)
+        rows = logits.reshape(-1, logits.shape[-1])
+        rows = rows if rows_index is None else rows.index_select(0, rows_index)
         return TokenLogprobs(logit_stats(rows, chosen, **options), index, (b, t), entropy_grad)
     linears, shard = fused
     calls: list[torch.Tensor] = []
-    compute = functools.partial(_stats_forward, index=index, targets=chosen, shard=shard, calls=calls,
-                                shape=(b, t), options=options)
+    compute = functools.partial(_stats_forward, index=rows_index, targets=chosen, shard=shard, calls=calls,
+                                shape=rows_shape, options=options)
     with _replaced_forward(linears, compute):
         out = run(model, micro)
     logits = _logits_of(out)
