@@ -63,6 +63,9 @@ def test_nan_never_reaches_weights_and_zero_token_batches(tmp_path):
             assert r["skipped"] and not r["applied"] and r["finite"] and r["unchanged"], (stage, r)
             assert r["lr_steps"] == 0, (stage, r)  # the skipped step did not advance the schedule
             assert r["empty_tokens"] == 0 and r["empty_loss"] == 0.0 and r["empty_unchanged"], (stage, r)
+        # every stage reports the norm of the same gradient (ZeRO-0's computed by dsrl, DeepSpeed keeps none)
+        norms = [res[stage]["grad_norm"] for stage in ("0", "1", "2", "3")]
+        assert all(n > 0 and abs(n - norms[3]) <= 1e-6 * norms[3] for n in norms), norms
 
 
 def test_zero3_unequal_micro_batch_counts(tmp_path):

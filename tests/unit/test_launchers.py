@@ -143,3 +143,15 @@ def test_the_preflight_sentence_names_the_host_the_launcher_and_the_fix():
     assert ("2 of the job's 4 ranks (ranks 2-3) are missing (those that checked in run on vm; OpenMPI's mpirun does "
             "not say where the others were placed) within 5 s") in mpi and "reaches n0:29500" in mpi
     assert rendezvous.ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+
+
+def test_cpu_ranks_share_the_hosts_cores_unless_omp_num_threads_says():
+    import os
+
+    from dsrl.core.launchers import cpu_threads_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads_per_rank(1, {}) == cores
+    assert cpu_threads_per_rank(2, {}) == max(1, cores // 2)
+    assert cpu_threads_per_rank(4 * cores, {}) == 1  # never 0
+    assert cpu_threads_per_rank(2, {"OMP_NUM_THREADS": "3"}) is None  # the user chose

@@ -97,10 +97,13 @@ def run_nan(args) -> dict:
         res2 = eng.train_mini_batch(empty, per_token_loss)
         with _gathered(eng, stage):
             after = [p.detach().clone() for p in eng.engine.module.parameters()]
+        # Then a finite mini-batch from the same (unchanged) weights: every stage reports its gradient norm.
+        res3 = eng.train_mini_batch(micros, per_token_loss)
         out[stage] = {"skipped": res["skipped_nonfinite"], "applied": res["step_applied"], "finite": finite,
                       "unchanged": unchanged, "lr_steps": lr_steps,
                       "empty_loss": res2["loss"], "empty_tokens": res2["tokens"],
-                      "empty_unchanged": all(torch.equal(a, b) for a, b in zip(params, after))}
+                      "empty_unchanged": all(torch.equal(a, b) for a, b in zip(params, after)),
+                      "grad_norm": res3["grad_norm"]}
     return out
 
 

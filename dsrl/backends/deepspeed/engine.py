@@ -56,9 +56,11 @@ def ensure_distributed(join_timeout_s: float | None = None, collective_timeout_s
     job with one sentence naming the host, the launcher and the fix, instead of the launcher's 10-minute or
     DeepSpeed's 30-minute wait. DeepSpeed then builds the default group on that same store. Afterwards every
     collective of the default group is bounded by ``collective_timeout_s`` when given (:mod:`dsrl.core.timeouts`).
-    On the CPU accelerator the shared-memory all-reduce segments DeepSpeed creates are checked for room before and
-    unlinked after (:mod:`dsrl.backends.deepspeed.cpu_shm`), with a watcher process that removes them even if the
-    start-up is interrupted, so no job leaks ``/dev/shm``.
+    On the CPU accelerator each rank uses its share of the host's cores as intra-op threads unless
+    ``OMP_NUM_THREADS`` says otherwise (:func:`dsrl.core.launchers.cpu_threads_per_rank`), and the shared-memory
+    all-reduce segments DeepSpeed creates are checked for room before and unlinked after
+    (:mod:`dsrl.backends.deepspeed.cpu_shm`), with a watcher process that removes them even if the start-up is
+    interrupted, so no job leaks ``/dev/shm``.
     """
     import deepspeed
 
@@ -69,6 +71,9 @@ def ensure_distributed(join_timeout_s: float | None = None, collective_timeout_s
         from datetime import timedelta
 
         launch = launchers.adopt()
+        threads = launchers.cpu_threads_per_rank(launch.local_size) if not on_gpu() else None
+        if threads is not None:  # the CPU accelerator, OMP_NUM_THREADS unset: the host's cores shared out
+            torch.set_num_threads(threads)
         bound = timeouts.join_timeout_s(join_timeout_s)
         store = rendezvous.check_in(launch, bound)
         kwargs.update(timeout=timedelta(seconds=bound), init_method=rendezvous.init_method(store, launch))
@@ -101,6 +106,37 @@ def _join_failure(seconds: float, exc: BaseException) -> str:
             f"output for one that ended or stalled after checking in. ({first})")
 
 
+class ReplicaGradNorm:
+    """The gradient norm of a ZeRO-0 step, which DeepSpeed 0.19.8 computes but keeps nowhere for a plain optimizer
+    (ZeRO 1-3 and its 16-bit optimizers report theirs). In dsrl's unmanaged accumulation ``engine.step()`` all-reduces
+    the gradients, clips them with ``clip_fp32_gradients`` (DeepSpeed's ``clip_grad_norm_``, whose return value is
+    the norm before clipping) and steps the optimizer: with clipping, the engine's clip call is DeepSpeed's own with
+    its result kept; without, an optimizer pre-step hook measures the (averaged, unclipped) gradients. Every replica
+    holds whole gradients, so the norm needs no collective. :meth:`take` returns the last step's (None if none)."""
+
+    def __init__(self, engine: Any):
+        self.engine, self.norm = engine, None
+        if engine.gradient_clipping() > 0:
+            engine.clip_fp32_gradients = self._clip
+        elif isinstance(engine.optimizer, torch.optim.Optimizer):  # a 16-bit wrapper reports its own norm
+            engine.optimizer.register_step_pre_hook(self._measure)
+
+    def _clip(self) -> None:
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        e = self.engine
+        self.norm = clip_grad_norm_(parameters=e.module.parameters(), max_norm=e.gradient_clipping(), mpu=e.mpu)
+
+    def _measure(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        self.norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) \
+            if grads else None
+
+    def take(self) -> Any:
+        norm, self.norm = self.norm, None
+        return norm
+
+
 def on_gpu() -> bool:
     """Whether DeepSpeed's accelerator is a GPU (not the CPU accelerator)."""
     return accelerator_is_gpu()
@@ -127,6 +163,10 @@ class RLEngine(StepCore):
         self.plan = plan
         self.scheduler = scheduler
         self.config = config
+        # ZeRO-0 without tensor parallelism: DeepSpeed keeps no gradient norm for a plain optimizer; dsrl reads it
+        # where DeepSpeed has the averaged gradients (ReplicaGradNorm)
+        self._replica_norm = ReplicaGradNorm(engine) if (self.zero_stage == 0 and view.tensor_parallel_size == 1) \
+            else None
 
     # -- conveniences ---------------------------------------------------------------------------
     @property
@@ -194,9 +234,13 @@ class RLEngine(StepCore):
                     "a non-finite loss reached an optimizer update that DeepSpeed applied; the weights may "
                     "hold NaN. Resume from the last complete checkpoint and check rewards/advantages."
                 )
+        norm = None
         if applied:
             self.scheduler.step()
-        return Update(applied, self.engine.get_global_grad_norm() if applied else None, lr)
+            norm = self.engine.get_global_grad_norm()
+            if norm is None and self._replica_norm is not None:
+                norm = self._replica_norm.take()
+        return Update(applied, norm, lr)
 
     def _local_grads_nonfinite(self) -> torch.Tensor:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
