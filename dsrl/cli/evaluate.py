@@ -10,7 +10,8 @@ over the ranks and each is evaluated once; every rank holds the whole model on i
 DeepSpeed engine: evaluation needs no optimizer state) and generates with the run's ``rollout.backend`` under the
 evaluation's sampling. ``eval.every`` plays no part: the command evaluates once. The row is the training one (its
 ``rollout`` is the checkpoint's, null for a model directory) plus ``model``: one console line; with ``--json`` the
-row as JSON on stdout; with ``--out DIR`` appended to ``DIR/metrics.jsonl``. Exit status: 0, 2 (configuration
+row as JSON on stdout; with ``--out DIR`` appended to ``DIR/metrics.jsonl`` (and with ``dsrl.eval.log_samples`` the
+completions to ``DIR/eval_samples.jsonl``). Exit status: 0, 2 (configuration
 error), 1 (run error).
 """
 
@@ -63,7 +64,8 @@ def resolve_model(path: str, scratch: str) -> tuple[str, int | None]:
     return out, int(found.group(1)) if found else None
 
 
-def evaluate(cfg_dsrl: DsrlConfig, model_dir: str, rollout: int | None) -> dict[str, Any] | None:
+def evaluate(cfg_dsrl: DsrlConfig, model_dir: str, rollout: int | None,
+             samples_path: str | None = None) -> dict[str, Any] | None:
     """One evaluation of the model in ``model_dir`` on every rank (collective) with ``cfg_dsrl``'s eval, data, rollout
     and model sections (its model section's path replaced by ``model_dir``, without adapters); the row on rank 0,
     else None."""
@@ -108,7 +110,7 @@ def evaluate(cfg_dsrl: DsrlConfig, model_dir: str, rollout: int | None) -> dict[
         episodes = EpisodeRunner(backend, tok, environment, ObservationEncoder(tok, d.data.chat_template),
                                  d.rollout.max_turns, d.rollout.max_trajectory_tokens, view, device)
     evaluator = Evaluator(EvalSettings.of(d, rollouts=0), prompts, backend, scorer, side.tokenizer, view, device,
-                          per_call, episodes=episodes, rank=rank)
+                          per_call, episodes=episodes, rank=rank, samples_path=samples_path)
     try:
         record = evaluator.run(rollout)
     finally:
@@ -117,7 +119,7 @@ def evaluate(cfg_dsrl: DsrlConfig, model_dir: str, rollout: int | None) -> dict[
     return record if rank == 0 else None
 
 
-def _evaluate_on_every_rank(d: DsrlConfig, model: str) -> dict[str, Any] | None:
+def _evaluate_on_every_rank(d: DsrlConfig, model: str, samples_path: str | None = None) -> dict[str, Any] | None:
     """Join the job's ranks, resolve ``--model`` (rank 0), evaluate (every rank); the row on rank 0."""
     from dsrl.backends.deepspeed.engine import ensure_distributed
 
@@ -125,7 +127,7 @@ def _evaluate_on_every_rank(d: DsrlConfig, model: str) -> dict[str, Any] | None:
     scratch = tempfile.mkdtemp(prefix="dsrl-eval-") if collectives.rank() == 0 else ""
     try:
         model_dir, rollout = collectives.on_rank0(lambda: resolve_model(model, scratch))
-        return evaluate(d, model_dir, rollout)
+        return evaluate(d, model_dir, rollout, samples_path)
     finally:
         collectives.barrier()
         if scratch:
@@ -136,14 +138,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsrl eval", description="Evaluate a model on a run file's eval section.")
     parser.add_argument("--ds_config", required=True, help="the run file (its eval, data, rollout and model sections)")
     parser.add_argument("--model", required=True, help="a model directory, or a run's output directory / checkpoint")
-    parser.add_argument("--out", default=None, help="append the row to OUT/metrics.jsonl")
+    parser.add_argument("--out", default=None, help="append the row to OUT/metrics.jsonl (and with "
+                                                    "dsrl.eval.log_samples the completions to OUT/eval_samples.jsonl)")
     parser.add_argument("--json", action="store_true", help="print the row as one JSON object")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args, rest = parser.parse_known_args(argv)
     cfg = load_config(args.ds_config, parse_override_args(rest))
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the libraries' notices: stdout holds the result alone
-            record = _evaluate_on_every_rank(cfg.dsrl, args.model)
+            samples = os.path.join(args.out, "eval_samples.jsonl") if args.out else None
+            record = _evaluate_on_every_rank(cfg.dsrl, args.model, samples)
     except (ConfigError, RunError) as e:
         if getattr(e, "agreed", False) and collectives.rank() != 0:
             return 2 if isinstance(e, ConfigError) else 1  # every rank has it: rank 0 prints it

@@ -36,6 +36,10 @@ class EvalConfig(Section):
     max_prompts: int | None = setting(
         None, "evaluate the first max_prompts prompts of the set (a built-in task's: in its held-out order); "
               "unset = all", "prompts", gt=0)
+    log_samples: int = setting(
+        0, "write the first N evaluation prompts' completions of every evaluation to <run.output_dir>/"
+           "eval_samples.jsonl (with dsrl eval: to --out): rollout, prompt index, prompt, completion, reward, "
+           "accuracy; 0 = none", "prompts", ge=0)
     path: str | None = setting(
         None, "evaluation prompts from a file or dataset (the forms dsrl.data.path takes, read with the same "
               "readers); unset = split of the training dataset, else the built-in task's held-out prompts or the "

@@ -30,7 +30,9 @@ The row (metrics.jsonl ``{"event": "eval"}``, DeepSpeed's monitor, one console l
 over all n * s samples), ``pass_at_k`` (the mean over prompts of :func:`pass_at_k`), ``reward_mean`` (over samples
 with a finite reward), ``response_len`` (mean completion tokens; the model's tokens of a trajectory),
 ``truncated_frac`` (samples cut at ``max_new_tokens`` or a trajectory bound), ``reward_timeouts`` and ``eval_s``.
-``accuracy`` and ``pass_at_k`` are null where the run has no accuracy (a reward function of the user's own).
+``accuracy`` and ``pass_at_k`` are null where the run has no accuracy (a reward function of the user's own). With
+``eval.log_samples`` = N the completions of the first N prompts go to ``eval_samples.jsonl`` beside it (one row per
+sample: rollout, prompt index, prompt, completion, reward, accuracy), so a user reads what the model writes.
 """
 
 from __future__ import annotations
@@ -179,8 +181,9 @@ class Evaluator:
                  tokenizer: Any, view: ParallelView, device: torch.device, prompts_per_call: int, *,
                  episodes: EpisodeRunner | None = None, stop: StopControl | None = None,
                  watch: PhaseWatch = NO_WATCH, metrics: MetricsWriter | None = None,
-                 progress: EvalProgress | None = None, rank: int = 0):
+                 progress: EvalProgress | None = None, rank: int = 0, samples_path: str | None = None):
         self.settings, self.prompts, self.backend, self.scorer = settings, prompts, backend, scorer
+        self.samples_path = samples_path if settings.eval.log_samples else None
         self.tokenizer, self.view, self.device = tokenizer, view, torch.device(device)
         self.prompts_per_call = max(1, int(prompts_per_call))
         self.episodes, self.stop, self.watch, self.metrics = episodes, stop, watch, metrics
@@ -220,7 +223,7 @@ class Evaluator:
         st, e = self.settings, self.settings.eval
         replica = self.view.data_parallel_rank
         calls = replica_calls(len(self.prompts), self.view.data_parallel_size, replica, self.prompts_per_call)
-        local = EvalTotals()
+        local, shown = EvalTotals(), []
         self.scorer.take_counts()  # from here: this evaluation's reward calls
         if self._stopped(rollout, 0, len(calls)):
             return None
@@ -237,6 +240,7 @@ class Evaluator:
                     groups = self._call(part, seed, backend, episodes)
                     if is_source(self.view):
                         local.add(groups, e.k)
+                        shown += self._shown(part, groups, rollout)
             except GenerationStopped as stopped:
                 if not stopped.requested:
                     raise  # a generator is gone: the trainer commits what it trained and ends
@@ -248,9 +252,44 @@ class Evaluator:
         record = self._record(local.summed(self.device), rollout, optimizer_step, time.perf_counter() - t0)
         if self.metrics is not None:
             self.metrics.write("eval", record, optimizer_step or 0)
+        if self.samples_path is not None:
+            self._write_samples(shown)
         if self.rank == 0:
             log.info(eval_line(record, st.rollouts))
         return record
+
+    def _shown(self, indices: list[int], groups: list[list[Sample]], rollout: int | None) -> list[dict[str, Any]]:
+        """The rows ``eval_samples.jsonl`` gets of one call: the samples of its prompts among the first
+        ``eval.log_samples``."""
+        if self.samples_path is None:
+            return []
+        rows = []
+        for i, group in zip(indices, groups):
+            if i < self.settings.eval.log_samples:
+                for s in group:
+                    completion = self.tokenizer.decode(s.tokens[s.prompt_len:], skip_special_tokens=True)
+                    rows.append({"rollout": rollout, "prompt_index": i, "prompt": self.prompts.records[i]["prompt"],
+                                 "completion": completion, "reward": s.reward, "accuracy": s.accuracy})
+        return rows
+
+    def _write_samples(self, shown: list[dict[str, Any]]) -> None:
+        """Every replica's shown samples, gathered (one collective), written by rank 0 in prompt order."""
+        import json
+        import os
+
+        import torch.distributed as dist
+
+        everyone = [shown]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, shown)
+        if self.rank != 0:
+            return
+        rows = sorted((r for part in everyone for r in part or []), key=lambda r: r["prompt_index"])
+        os.makedirs(os.path.dirname(os.path.abspath(self.samples_path)), exist_ok=True)
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, default=str) + "\n")
 
     def _stopped(self, rollout: int | None, done: int, calls: int) -> bool:
         """Whether a stop request ends the evaluation before call ``done`` (-1: while waiting for generator ranks);

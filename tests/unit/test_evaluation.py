@@ -240,12 +240,23 @@ class FakeStop:
         return "finish" if self.calls > self.after else None
 
 
-def evaluator(tok, backend, d=None, stop=None, per_call=16, metrics=None):
+def evaluator(tok, backend, d=None, stop=None, per_call=16, metrics=None, samples_path=None):
     d = d or dsrl(**{"eval.every": 2})
     prompts = load_eval_prompts(d.eval, d.data, d.run.seed)
     scorer = Scorer(d.data, tok, load_reward_fn(d.data), load_accuracy_fn(d.data))
     return Evaluator(EvalSettings.of(d, rollouts=6), prompts, backend, scorer, tok, ParallelView(None, 1.0, 1, 0),
-                     torch.device("cpu"), per_call, stop=stop, metrics=metrics, progress=EvalProgress())
+                     torch.device("cpu"), per_call, stop=stop, metrics=metrics, progress=EvalProgress(),
+                     samples_path=samples_path)
+
+
+def test_log_samples_writes_the_first_prompts_completions(tok, tmp_path):
+    path = tmp_path / "eval_samples.jsonl"
+    evaluator(tok, FakeBackend(tok), dsrl(**{"eval.every": 2, "eval.log_samples": 3}), samples_path=str(path)).run(4)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["prompt_index"] for r in rows] == [0, 1, 2] and all(r["rollout"] == 4 for r in rows)
+    assert all(r["completion"] and r["accuracy"] == 1.0 and r["prompt"] for r in rows)
+    evaluator(tok, FakeBackend(tok), samples_path=str(tmp_path / "none.jsonl")).run(4)  # log_samples 0: no file
+    assert not (tmp_path / "none.jsonl").exists()
 
 
 def test_one_evaluation_its_row_calls_and_untouched_random_streams(tok):

@@ -24,6 +24,7 @@ is set before any model is built.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,7 @@ from dsrl.core.routes import MoELayout
 from dsrl.core.seeds import derived_seed
 from dsrl.rl.critic import Critic, NoCritic, build_critic, prepare_critic
 from dsrl.rl.data.evalset import EvalPrompts, prompts_per_call
-from dsrl.rl.data.prompts import PromptSource
+from dsrl.rl.data.prompts import PromptSource, describe_rendering
 from dsrl.rl.disagg.roles import Role
 from dsrl.rl.empty_rollouts import EmptyRollouts
 from dsrl.rl.episodes.environment import EnvironmentCaller
@@ -139,6 +140,7 @@ def check_run(cfg: Config, world: int, gpu: bool, role: Role | None) -> CheckedR
     match_deepspeed_precision(cfg.ds_config, resolve_dtype(d.model.dtype, gpu))
     spec = prepare(cfg, dataset_size=len(prompts), on_gpu=gpu)
     critic_spec = prepare_critic(cfg, world, len(prompts), gpu)  # None: no critic
+    side.check_context_length()  # from the model's config, before its weights are read
     side.build_model()
     if role is None:
         side.check()
@@ -238,7 +240,14 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
     per_call = prompts_per_call(plan.prompts_per_rank, plan.samples_per_prompt, d.eval.samples_per_prompt)
     evaluator = Evaluator(EvalSettings.of(d, plan.rollouts), checked.eval_prompts, backend, scorer, tok, actor.view,
                           actor.device, per_call, episodes=episodes, stop=stop, watch=watch, metrics=metrics,
-                          progress=state.evaluation, rank=rank)
+                          progress=state.evaluation, rank=rank,
+                          samples_path=os.path.join(d.run.output_dir, "eval_samples.jsonl"))
+    if rank == 0 and len(prompts):  # what the model sees (the chat template's own system prompt), what ends a turn
+        from dsrl.rollout.base import stop_token_ids
+
+        stops = stop_token_ids(tok, side.weights(), d.rollout)
+        log.info("%s; a completion ends at %s", describe_rendering(tok, prompts.records[0]["prompt"], d.data),
+                 " or ".join(f"{tok.convert_ids_to_tokens(i)!r} (id {i})" for i in stops))
     if rank == 0 and checked.eval_prompts is not None:
         log.info("evaluation every %d rollouts on %s", d.eval.every, evaluator.describe())
         if checked.eval_prompts.overlap:
