@@ -323,9 +323,9 @@ def run_process(argv: list[str], *, env: dict[str, str], timeout: float | None =
     return Finished(status, rc, output, time.perf_counter() - t0)
 
 
-def rollout_rows(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The ``rollout`` rows of a dsrl run's metrics.jsonl (a line cut by a stopped process is skipped): the figures a
-    benchmark reads from dsrl's own metrics."""
+def rollout_rows(run_dir: str | Path, event: str = "rollout") -> list[dict[str, Any]]:
+    """The ``rollout`` rows (or another ``event``'s: ``step``, ``eval``) of a dsrl run's metrics.jsonl (a line cut by a
+    stopped process is skipped): the figures a benchmark reads from dsrl's own metrics."""
     import json
 
     path = Path(run_dir, "metrics.jsonl")
@@ -336,7 +336,7 @@ def rollout_rows(run_dir: str | Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if row.get("event") == "rollout":
+            if row.get("event") == event:
                 rows.append(row)
     return rows
 

@@ -239,8 +239,11 @@ def weight_sync_probe(model: Any, bucket_mib: float = 512.0, repeats: int = 3) -
             "buckets": float(len(buckets))}
 
 
-def dsrl_records(run_dir: str, w: Workload) -> list[dict[str, Any]]:
-    """The timed rollouts' records from dsrl's ``rollout`` rows (the profiled extra rollout left out)."""
+def dsrl_records(run_dir: str, w: Workload, loop_time: bool = False) -> list[dict[str, Any]]:
+    """The timed rollouts' records from dsrl's ``rollout`` rows (the profiled extra rollout left out). A rollout's
+    seconds: the difference of consecutive rows' ``elapsed_s``; with ``loop_time``, the row's ``rollout_s +
+    train_s`` instead (making the experience, then training on it: what the rollout costs without the evaluation
+    or checkpoint that the run may add between rollouts, which ``elapsed_s`` counts)."""
     rows = [r for r in rollout_rows(run_dir) if r["rollout"] <= w.rollouts]
     out, before = [], 0.0
     for r in rows:
@@ -250,7 +253,7 @@ def dsrl_records(run_dir: str, w: Workload) -> list[dict[str, Any]]:
             return max(known) if known else None
 
         out.append({
-            "rollout_s": r["elapsed_s"] - before,
+            "rollout_s": r["rollout_s"] + r["train_s"] if loop_time else r["elapsed_s"] - before,
             "generate_s": r["phase_generate_s"],
             "logprobs_s": r["phase_old_logprobs_s"] + r.get("phase_ref_logprobs_s", 0.0),
             "reward_s": r["phase_reward_s"], "train_phase_s": r["phase_train_s"],
@@ -453,6 +456,15 @@ def run_trl(w: Workload, out: WorkerOutput, deepspeed: bool) -> None:
 
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
                           processing_class=tok, callbacks=[RolloutClock()])
+    time_trl_phases(trainer, clock)
+    trainer.train()
+
+
+def time_trl_phases(trainer: Any, clock: TrlClock) -> None:
+    """Wrap a GRPOTrainer's generation call (counting its completion and sequence tokens) and its no-grad log-prob
+    calls (old and reference log-probs; the training forward runs with grad and is left alone) in ``clock``."""
+    import torch
+
     generate = clock.timed("generate_s", trainer._generate_single_turn)
 
     def counted_generate(prompt_ids: Any, *a: Any, **k: Any) -> Any:
@@ -466,4 +478,3 @@ def run_trl(w: Workload, out: WorkerOutput, deepspeed: bool) -> None:
     timed_logps = clock.timed("logprobs_s", logps)
     trainer._get_per_token_logps_and_entropies = (
         lambda *a, **k: logps(*a, **k) if torch.is_grad_enabled() else timed_logps(*a, **k))
-    trainer.train()
