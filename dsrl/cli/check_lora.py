@@ -36,11 +36,13 @@ def lora_model_for(requested: str, objective: str) -> str:
         raise ConfigError("dsrl.check --objective value with dsrl.model.lora: the critic trains all its parameters "
                           "(LoRA adapts the policy only). Fix: check the value objective with a run file without "
                           "dsrl.model.lora.")
+    from dsrl.cli.check_models import is_model_dir
+
     if requested == "auto":
         return "qwen2"
-    if requested not in LORA_MODELS:
+    if requested not in LORA_MODELS and not is_model_dir(requested):
         raise ConfigError(f"dsrl.check --model {requested} with dsrl.model.lora: the adapters need a Hugging Face "
-                          f"model. Fix: --model {' or '.join(LORA_MODELS)} (or auto).")
+                          f"model. Fix: --model {' or '.join(LORA_MODELS)} (or auto), or a model directory.")
     return requested
 
 

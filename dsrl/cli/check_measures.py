@@ -39,6 +39,15 @@ def relative_error(update: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
     return worst
 
 
+def global_relative_error(update: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> float:
+    """||g - g_ref|| / ||g_ref|| over all parameters as one vector: a real model's measure (``dsrl.check --model
+    DIR``), whose small tensors with strongly cancelling gradients (a norm's weight summed over every token) differ
+    by float32 summation order alone far more than the update as a whole."""
+    err = sum(float((update[n] - r).pow(2).sum()) for n, r in ref.items())
+    den = sum(float(r.pow(2).sum()) for r in ref.values())
+    return (err / den) ** 0.5 if den > 0 else err ** 0.5
+
+
 def worst_parameter(update: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str:
     """The name of the parameter with the largest relative error (for the report)."""
     return max(ref, key=lambda n: relative_error({n: update[n]}, {n: ref[n]}))

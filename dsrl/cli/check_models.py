@@ -47,8 +47,23 @@ def hf_model(arch: str) -> torch.nn.Module:
     return moe_model(arch)
 
 
+def is_model_dir(arch: str) -> bool:
+    """Whether ``--model`` names a Hugging Face model directory (a real pretrained model) rather than a built-in."""
+    import os
+
+    return os.path.isfile(os.path.join(arch, "config.json"))
+
+
 def build_model(arch: str, objective: str = "policy", moe: MoESettings | None = None) -> torch.nn.Module:
-    """The check's model, initialised from the current torch seed (an MoE case: Mixtral with 2 layers)."""
+    """The check's model, initialised from the current torch seed (an MoE case: Mixtral with 2 layers), or a real
+    pretrained causal LM loaded in float32 from the directory ``arch`` (its weights, not the seed's)."""
+    if is_model_dir(arch):
+        from transformers import AutoModelForCausalLM
+
+        if objective == "value":
+            raise ValueError("dsrl.check --objective value checks a tiny value model; --model DIR is a causal LM. "
+                             "Fix: check the value objective without --model DIR.")
+        return AutoModelForCausalLM.from_pretrained(arch, dtype=torch.float32)
     if objective == "value":
         return value_model(arch)
     if moe is not None and arch == "mixtral":
@@ -63,7 +78,7 @@ def model_for(ds_config: dict, requested: str, moe: MoESettings | None = None) -
     from dsrl.backends.deepspeed.autotp import tensor_parallel_size
 
     if requested != "auto":
-        return requested
+        return requested  # a built-in's name, or a model directory
     if (moe is not None and moe.active) or expert_parallel_enabled(ds_config):
         return "mixtral"
     return "llama" if tensor_parallel_size(ds_config) > 1 else "tiny"
