@@ -14,8 +14,9 @@ Three phases, each a dict of parts (bytes) whose sum is the phase's total:
   (:data:`dsrl.core.logprobs.LOGIT_CHUNK_BYTES` at most), the reference during its pass;
 - ``training``: the full model states by ZeRO stage (:func:`model_states`), the activations of one micro-batch
   (the token budget T, or m sequences of the longest length) with or without gradient checkpointing, the logit
-  chunk, and whatever else stays resident (frozen models unless offloaded, ``cb``'s cache, a vLLM engine
-  unless asleep).
+  chunk, ZeRO-0's flat all-reduce bucket of the gradients on more than one rank, and whatever else stays resident
+  (frozen models unless offloaded, ``cb``'s cache, a vLLM engine unless asleep). Outside training the training
+  state is the optimizer's and the master weights, with the gradients but under ZeRO-0, whose step frees them.
 
 The model states follow DeepSpeed's own accounting (``estimate_zero2_model_states_mem_needs`` /
 ``estimate_zero3_model_states_mem_needs`` of DeepSpeed 0.19.8, 16-bit weights with Adam: 2 + 18/D bytes per
@@ -45,6 +46,9 @@ TIGHT = 0.9  # a phase above this share of the device gets a warning
 PHASES = ("generation", "logprobs", "training")
 VLLM_CPU_MIN_KV_BYTES = 64 * MIB  # dsrl.rollout.vllm: the CPU engine's KV cache floor
 VLLM_MAX_NUM_SEQS = 256
+# DeepSpeed 0.19.8's engine.allreduce_gradients: ZeRO-0's gradients go to the all-reduce flattened into buckets of
+# this many elements (MEMORY_OPT_ALLREDUCE_SIZE), one copy of them during the training step
+ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,9 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
                                                  m.zero_stage, wb, offload_optimizer=m.offload_optimizer,
                                                  offload_param=m.offload_param).items()}
     resident_states = {k: v for k, v in states.items() if k in ("weights", "gathered_layer")}
-    training_state = sum(states.get(k, 0) for k in TRAINING_STATE)
+    # between steps: ZeRO-0's step sets the gradients to None (measured, docs/memory.md); ZeRO 1-3 keep buffers
+    kept = [k for k in TRAINING_STATE if not (k == "gradients" and m.zero_stage == 0)]
+    training_state = sum(states.get(k, 0) for k in kept)
     frozen: dict[str, int] = {}
     if m.reference_copy:
         frozen["reference"] = wb * s.params // (m.data_parallel if m.zero_stage == 3 else 1) // tp
@@ -273,6 +279,8 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
     else:
         tr.parts["activations"] = m.train_tokens * s.layers * per_layer
     tr.parts["logit_chunk"] = _logit_chunk(m.train_tokens, s.vocab // tp) + 4 * m.train_tokens * s.hidden
+    if m.zero_stage == 0 and m.data_parallel > 1:  # DeepSpeed all-reduces ZeRO-0's gradients as flat buckets
+        tr.parts["allreduce_buffer"] = min(s.trainable, ALLREDUCE_BUCKET_ELEMENTS) * wb // tp
     return {"generation": gen, "logprobs": lp, "training": tr}
 
 

@@ -21,9 +21,13 @@ Invariants kept by :class:`PhaseClock`:
   (CUDA: ``max_memory_allocated``, the caching allocator's host-side counter: no synchronization). On the CPU,
   DeepSpeed's accelerator only samples the resident set when asked (its ``max_memory_allocated`` is the larger
   of the RSS at the reset and at the read, not a peak), so the clock reads the kernel's high-water mark instead:
-  ``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs`` at each phase start. That is the
+  ``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs`` at each phase start, after the C heap
+  returned what earlier phases freed (glibc's ``malloc_trim``: otherwise the allocator keeps it resident and the
+  next phase's peak starts at the last one's). That is the
   whole process's resident memory (interpreter, libraries, weights), not only tensors; None where ``/proc``
-  does not allow it (not Linux);
+  does not allow it (not Linux). So every CPU row also carries ``host_baseline_mib``, the process's resident memory
+  before the model was built (interpreter, libraries, tokenizer, prompts: the largest over ranks): a phase's peak
+  less it is what the run allocated, the quantity ``dsrl plan``'s memory per phase predicts (docs/memory.md);
 - phases never nest (a phase started inside another is a programming error, raised at once); a phase that
   runs several times in one rollout (dynamic sampling rounds, the turns of multi-turn episodes) adds up its
   seconds and keeps its largest peak;
@@ -147,11 +151,44 @@ class _ResidentPeak:
         return None
 
     def reset(self) -> None:
+        _trim_heap()
         self.CLEAR.write_text("5")
 
     def read(self) -> float | None:
         kib = self._hwm_kib()
         return None if kib is None else kib / 1024
+
+
+def _trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc ``malloc_trim``), so that a phase's resident peak holds
+    what the phase and the run keep, not what an earlier phase freed and the allocator kept (without it the
+    generation after a training step reads the training step's peak). No-op without glibc."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
+
+
+def resident_mib() -> float | None:
+    """The process's resident memory now (MiB, Linux ``VmRSS``); None elsewhere."""
+    try:
+        for line in _ResidentPeak.STATUS.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def _memory_probe(accelerator: Any) -> Any:
@@ -179,6 +216,7 @@ class PhaseTotals:
     peak_mib: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(PHASES))
     generated_tokens: float = 0.0  # completion tokens of the rollout's samples (counted once per replica)
     trained_tokens: float = 0.0  # prompt + completion tokens trained on, times the epochs per rollout
+    baseline_mib: float | None = None  # CPU: the process's resident memory before the model was built
 
     def reduced(self, device: Any = "cpu") -> PhaseTotals:
         """Seconds, runs and tokens summed over every rank of the default group (one all-reduce), peaks maximised
@@ -186,12 +224,14 @@ class PhaseTotals:
         sums = [self.seconds[p] for p in PHASES] + [self.runs[p] for p in PHASES]
         sums += [self.generated_tokens, self.trained_tokens]
         total = all_reduce_floats(sums, device=device)
-        peaks = all_reduce_floats([-1.0 if self.peak_mib[p] is None else self.peak_mib[p] for p in PHASES],
+        peaks = all_reduce_floats([-1.0 if v is None else v for v in
+                                   [*(self.peak_mib[p] for p in PHASES), self.baseline_mib]],
                                   dist.ReduceOp.MAX, device=device)
         n = len(PHASES)
         return PhaseTotals(seconds=dict(zip(PHASES, total[:n])), runs=dict(zip(PHASES, total[n:2 * n])),
                            peak_mib={p: (None if v < 0 else v) for p, v in zip(PHASES, peaks)},
-                           generated_tokens=total[2 * n], trained_tokens=total[2 * n + 1])
+                           generated_tokens=total[2 * n], trained_tokens=total[2 * n + 1],
+                           baseline_mib=None if peaks[n] < 0 else peaks[n])
 
 
 def phase_record(totals: PhaseTotals, world: int) -> dict[str, Any]:
@@ -205,6 +245,8 @@ def phase_record(totals: PhaseTotals, world: int) -> dict[str, Any]:
     out.update({f"peak_{p}_mib": totals.peak_mib[p] for p in ran})
     known = [totals.peak_mib[p] for p in ran if totals.peak_mib[p] is not None]
     out["peak_mib"] = max(known) if known else None
+    if totals.baseline_mib is not None:
+        out["host_baseline_mib"] = totals.baseline_mib
     if "generate" in ran:
         out["generate_tokens_per_s"] = _rate(totals.generated_tokens, totals.seconds["generate"] / world)
     if "train" in ran:
@@ -224,14 +266,15 @@ class PhaseClock:
     (``deepspeed.accelerator.get_accelerator()``) or an object with its interface; None times with the host clock
     and reads no memory."""
 
-    def __init__(self, accelerator: Any = None):
+    def __init__(self, accelerator: Any = None, baseline_mib: float | None = None):
+        self.baseline_mib = baseline_mib  # CPU: resident memory before the model (every row carries it)
         synchronized = accelerator is None or accelerator.is_synchronized_device()
         self._timer = _HostTimer() if synchronized else _EventTimer(accelerator)
         self._memory = _memory_probe(accelerator)
         self._listeners: list[PhaseListener] = []
         self._open: str | None = None
         self.rollout = 0
-        self._totals = PhaseTotals()
+        self._totals = PhaseTotals(baseline_mib=self.baseline_mib if self.reads_memory else None)
 
     @property
     def reads_memory(self) -> bool:
@@ -243,7 +286,7 @@ class PhaseClock:
     def start_rollout(self, rollout: int) -> None:
         """Begin rollout ``rollout`` (0-based): what an unfinished earlier one left is dropped."""
         self.rollout = rollout
-        self._totals = PhaseTotals()
+        self._totals = PhaseTotals(baseline_mib=self.baseline_mib if self.reads_memory else None)
         if isinstance(self._timer, _EventTimer):
             self._timer.pending = []
 

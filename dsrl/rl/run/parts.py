@@ -63,7 +63,7 @@ from dsrl.rl.run.stopping import StopPolicy
 from dsrl.rollout.base import RolloutBackend
 from dsrl.runtime.metrics import MetricsWriter
 from dsrl.runtime.peers import Peers
-from dsrl.runtime.phases import PhaseClock
+from dsrl.runtime.phases import PhaseClock, resident_mib
 from dsrl.runtime.stop import StopControl
 from dsrl.runtime.watchdog import Watch
 
@@ -119,6 +119,7 @@ class CheckedRun:
     critic_spec: EngineSpec | None
     moe_layout: MoELayout | None
     eval_prompts: EvalPrompts | None  # None: no evaluation during training (eval.every = 0)
+    baseline_mib: float | None = None  # the process's resident memory before the model was built
 
 
 def check_run(cfg: Config, world: int, gpu: bool, role: Role | None) -> CheckedRun:
@@ -141,6 +142,7 @@ def check_run(cfg: Config, world: int, gpu: bool, role: Role | None) -> CheckedR
     spec = prepare(cfg, dataset_size=len(prompts), on_gpu=gpu)
     critic_spec = prepare_critic(cfg, world, len(prompts), gpu)  # None: no critic
     side.check_context_length()  # from the model's config, before its weights are read
+    baseline = resident_mib()  # the CPU's measure of what the run allocates is relative to this
     side.build_model()
     if role is None:
         side.check()
@@ -151,7 +153,7 @@ def check_run(cfg: Config, world: int, gpu: bool, role: Role | None) -> CheckedR
 
         eval_prompts = load_eval_prompts(d.eval, d.data, d.run.seed, side.tokenizer, train_records=prompts.records,
                                          asked_by=f"dsrl.eval.every = {d.eval.every}")
-    return CheckedRun(side, prompts, reward_fn, environment, spec, critic_spec, moe, eval_prompts)
+    return CheckedRun(side, prompts, reward_fn, environment, spec, critic_spec, moe, eval_prompts, baseline)
 
 
 def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] | None = None,
@@ -192,7 +194,8 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
     run_dir.check_adapters(d.model.lora)  # the checkpoint's adapters are this run's (before the engine)
     check_free_space(run_dir, side.model, d.run)
 
-    phases = PhaseClock(get_accelerator())  # seconds, tokens and peak memory per phase (dsrl.runtime.phases)
+    # seconds, tokens and peak memory per phase (dsrl.runtime.phases)
+    phases = PhaseClock(get_accelerator(), checked.baseline_mib)
     memory = StateOffload(d.memory)  # training state and frozen models off the device between their phases
     algo = algos.resolve_algorithm(d.algorithm)
     actor = PolicyActor.build(side.model, checked.spec, d.model, ActorSettings.of(d), algo,
