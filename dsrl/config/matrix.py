@@ -293,8 +293,8 @@ CPU ranks: colocated, both generate and train (with AutoTP: one replica of 2 ten
 trainer and 1 generator. From its output directory:
 
 - the job exits 0; `metrics.jsonl` has rollouts 1 and 2 with 2 steps each, every step applied, with finite
-  losses, and finite gradient norms on ZeRO 1-3 (on ZeRO-0 in float32 DeepSpeed computes the norm inside its
-  clipping and keeps none: `grad_norm` is null);
+  losses, and finite gradient norms on every stage (ZeRO-0's measured by dsrl: DeepSpeed keeps none there), except
+  ZeRO-0 with AutoTP, where `grad_norm` is null (dsrl does not reduce the tensor peers' shards into one norm);
 - every model token generated is trained once: each rollout's `train_tokens` equals its sampled tokens and the
   sum over its steps (tensor peers and generator ranks add none), and no sample is masked;
 - the mismatch metrics (`rollout_logprob_abs_diff`, `rollout_kl`, `is_weight_max`, `is_truncated_frac`,
