@@ -5,8 +5,10 @@ and 1-2 rollouts, on 2 CPU ranks, through every path a user takes.
   sees; ``dsrl export`` then transformers' own ``generate`` writes the run's last evaluation's greedy completions, and
   ``dsrl eval`` on the export gives its row;
 - the memory offload on, stopped after rollout 1 and resumed: bitwise the uninterrupted job without offload;
-- LoRA, PPO with a critic, and a generator rank with k = 1 train;
-- ``dsrl.check`` on the real model is exact on ZeRO-2 and ZeRO-3 (at most 1e-6 against float64).
+- LoRA (the shipped configs/smollm2_135m_chain_sum_lora_cpu.json), PPO with a critic, and a generator rank with
+  k = 1 train;
+- ``dsrl.check`` on the real model: the update at most 1e-6 (ZeRO-2) and 1e-5 (ZeRO-3) from the float32 mini-batch
+  reference, the planted per-micro-batch mean far off (the test's docstring says why not 1e-6 against float64).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from conftest import REAL, launch, one_rank, write_json
 
 pytestmark = REAL
 RUN_FILE = "configs/smollm2_135m_chain_sum_cpu.json"
+LORA_RUN_FILE = "configs/smollm2_135m_chain_sum_lora_cpu.json"  # the same job with LoRA adapters
 TIMING = ("_s", "_per_s", "_mib", "elapsed", "tokens_per_s", "bytes")  # fields that measure the machine, not training
 
 
@@ -32,8 +35,8 @@ def _args(real_model, chain_sum, out, *extra: str, run_file: str = RUN_FILE) -> 
             "--dsrl.eval.max_prompts", "4", "--dsrl.eval.log_samples", "4", "--dsrl.run.progress_bar", "false", *extra]
 
 
-def _stage(tmp_path, stage: int, **sections) -> str:
-    raw = json.loads(open(RUN_FILE).read())
+def _stage(tmp_path, stage: int, base: str = RUN_FILE, **sections) -> str:
+    raw = json.loads(open(base).read())
     raw["zero_optimization"] = {"stage": stage}
     raw.update(sections)
     return str(write_json(tmp_path / f"run_zero{stage}.json", raw))
@@ -128,16 +131,16 @@ def test_offload_stop_and_resume_is_bitwise_the_straight_job(hf_zero2, tmp_path,
     assert all(r["offload_bytes"] > 0 for r in _rows(out, "rollout"))
 
 
-@pytest.mark.parametrize("name, extra", [
-    ("lora", ["--dsrl.model.lora.r", "8"]),
-    ("ppo", ["--dsrl.algorithm.name", "ppo", "--dsrl.critic.warmup_rollouts", "0"]),
-    ("async", ["--dsrl.rollout.placement", "disaggregated", "--dsrl.rollout.generator_ranks", "1",
-               "--dsrl.algorithm.max_staleness", "1", "--dsrl.rollout.backend", "hf"]),
+@pytest.mark.parametrize("name, base, extra", [
+    ("lora", LORA_RUN_FILE, []),
+    ("ppo", RUN_FILE, ["--dsrl.algorithm.name", "ppo", "--dsrl.critic.warmup_rollouts", "0"]),
+    ("async", RUN_FILE, ["--dsrl.rollout.placement", "disaggregated", "--dsrl.rollout.generator_ranks", "1",
+                         "--dsrl.algorithm.max_staleness", "1", "--dsrl.rollout.backend", "hf"]),
 ])
-def test_lora_ppo_and_a_generator_rank_train_the_real_model(tmp_path, real_model, chain_sum, name, extra):
+def test_lora_ppo_and_a_generator_rank_train_the_real_model(tmp_path, real_model, chain_sum, name, base, extra):
     out = tmp_path / "run"
     nprocs = 2
-    run_file = _stage(tmp_path, 2)
+    run_file = _stage(tmp_path, 2, base)
     launch(_args(real_model, chain_sum, out, "--dsrl.eval.every", "0", *extra, run_file=run_file), nprocs=nprocs,
            timeout=900)
     rollouts = _rows(out, "rollout")
