@@ -167,8 +167,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     elif last:
         title += f": mean reward {last.get('reward_mean', float('nan')):.3f} at rollout {last.get('rollout')}"
     if evals and isinstance(evals[-1].get("accuracy"), (int, float)):
-        title += f"; held-out {evals[-1]['accuracy']:.1%} at rollout {evals[-1]['rollout']}"
-    fig.suptitle(title, fontsize=10)
+        title += f";\nheld-out {evals[-1]['accuracy']:.1%} at rollout {evals[-1]['rollout']}"
+    fig.suptitle(title, fontsize=10)  # two lines at most: the figure is narrower than a long run name's title
     fig.tight_layout()
     out = out or os.path.join(run_dir, DEFAULT_NAME)
     fig.savefig(out, dpi=110)
