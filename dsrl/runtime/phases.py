@@ -151,7 +151,7 @@ class _ResidentPeak:
         return None
 
     def reset(self) -> None:
-        _trim_heap()
+        trim_heap()
         self.CLEAR.write_text("5")
 
     def read(self) -> float | None:
@@ -159,7 +159,7 @@ class _ResidentPeak:
         return None if kib is None else kib / 1024
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Return the C heap's free memory to the system (glibc ``malloc_trim``), so that a phase's resident peak holds
     what the phase and the run keep, not what an earlier phase freed and the allocator kept (without it the
     generation after a training step reads the training step's peak). No-op without glibc."""
