@@ -454,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(tiny Hugging Face models); auto = tiny, or llama under AutoTP, mixtral under AutoEP or "
                              "with routing replay / a load-balancing loss (2 layers then); or a Hugging Face model "
                              "directory: a real pretrained causal LM (e.g. dsrl prepare-model's), checked in float32 "
-                             "against its float64 copy")
+                             "against the float32 mini-batch loss over the same micro-batches (the error against "
+                             "float64 printed beside it)")
     parser.add_argument("--routing_replay", default=None, choices=("off", "rollout"),
                         help="MoE: force random routes in dsrl's forwards and the reference's (default: the run "
                              "file's dsrl.model.routing_replay)")
