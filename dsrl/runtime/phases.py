@@ -144,11 +144,16 @@ class _ResidentPeak:
             return False
 
     @classmethod
-    def _hwm_kib(cls) -> int | None:
+    def status_kib(cls, field: str) -> int | None:
+        """A memory field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``) in KiB; None if absent."""
         for line in cls.STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
         return None
+
+    @classmethod
+    def _hwm_kib(cls) -> int | None:
+        return cls.status_kib("VmHWM")
 
     def reset(self) -> None:
         trim_heap()
@@ -183,12 +188,10 @@ _LIBC: Any = None
 def resident_mib() -> float | None:
     """The process's resident memory now (MiB, Linux ``VmRSS``); None elsewhere."""
     try:
-        for line in _ResidentPeak.STATUS.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+        kib = _ResidentPeak.status_kib("VmRSS")
     except OSError:
-        pass
-    return None
+        return None
+    return None if kib is None else kib / 1024
 
 
 def _memory_probe(accelerator: Any) -> Any:
