@@ -157,11 +157,9 @@ def test_a_stop_during_an_evaluation_ends_it_and_the_resumed_run_evaluates_that_
     assert rows(out)[first + 1]["rollout"] == 3  # evaluated on resume, before rollout 3
 
 
-VARIANTS = {
-    "hf": ([], 2),
-    "cb": (["--dsrl.rollout.backend", "cb"], 2),
-    "zero3": (["--zero_stage", "3"], 2),
+VARIANTS = {  # the default file's backend and stage with LoRA; cb on ZeRO-3; generator ranks
     "lora": (["--dsrl.model.lora", '{"r": 8, "alpha": 16.0}'], 2),
+    "cb-zero3": (["--dsrl.rollout.backend", "cb", "--zero_stage", "3"], 2),
     "disaggregated": (["--dsrl.rollout.placement", "disaggregated", "--dsrl.rollout.generator_ranks", "1",
                        "--dsrl.algorithm.max_staleness", "1", "--dsrl.algorithm.rollout_correction",
                        '{"mode": "tis", "level": "token", "cap": 2.0}'], 3),
