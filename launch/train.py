@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
             _leave(GeneratorWorker.start(cfg, role).run())
         trainer = Trainer.from_config(cfg, resume=args.resume, role=role)
+        trainer.parts.stop.restore_to({signal.SIGTERM: _ending})
         trainer.run()
     except ConfigError as e:
         printer = _prints_config_error(e, quiet, role)
@@ -128,6 +129,12 @@ def _prints_config_error(e: ConfigError, quiet: bool, role: object) -> bool:
     if role is None and not torch.distributed.is_initialized():
         return os.environ.get("LOCAL_RANK", "0") == "0"
     return True
+
+
+def _ending(signum: int, frame: object) -> None:
+    """SIGTERM once the run is over (its own handlers are gone, dsrl.runtime.stop): this rank is on its way out, its
+    last word (an error naming a lost rank) not yet printed; the launcher's SIGTERM, sent because another rank exited
+    first, must not end it silently. It ends on its own within moments (the launcher's SIGKILL follows after 30 s)."""
 
 
 def _wait_for_the_printer(bound_s: float = 30.0) -> None:

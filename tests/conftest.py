@@ -15,6 +15,7 @@ The tiers (README):
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -121,11 +122,21 @@ def _native_abort(proc: subprocess.CompletedProcess) -> bool:
     return NATIVE_ABORT in out and "Traceback (most recent call last)" not in out
 
 
+def node_launcher(nprocs: int, port: int) -> list[str]:
+    """The command ``deepspeed --num_gpus N --master_port P`` runs on one machine: DeepSpeed's per-node launcher
+    (``deepspeed.launcher.launch``) for ``nprocs`` local ranks, started here without the ``deepspeed`` runner's own
+    process, whose work on one node is to encode this world and start that command (its import of DeepSpeed cost
+    ~2.5 s of every job). The runner itself is run by the docs harness (every documented command), the launcher and
+    signal tests and the multi-node tests."""
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nprocs))}).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+            "--master_addr=127.0.0.1", f"--master_port={port}", "--log_level=info"]
+
+
 def _launch_once(args: list[str], nprocs: int, timeout: float, env: dict | None, port: int | None,
                  sweep_shm: bool) -> tuple[subprocess.CompletedProcess, list[str]]:
     port = port or free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs),
-           "--master_port", str(port), *args]
+    cmd = [*node_launcher(nprocs, port), *args]
     # Workers import this checkout's dsrl (and tests/ helpers) whatever is installed.
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath,

@@ -101,6 +101,7 @@ class StopControl:
         self.training = False  # set by begin_training(): a request no longer aborts, it stops at a boundary
         self.decision: str | None = None  # None until a request was agreed: "finish" or "stop"
         self._previous: dict[int, Any] = {}
+        self._after_run: dict[int, Any] = {}  # restore_to(): what uninstall() installs instead of _previous
         self._done = threading.Event()
         self._step_times: list[float] = []
         self.save_s = 0.0  # the last checkpoint's seconds (note_save), counted in the time a "finish" needs
@@ -135,11 +136,18 @@ class StopControl:
         if ancestors:
             threading.Thread(target=self._watch, args=(ancestors,), name="dsrl-launcher-watch", daemon=True).start()
 
+    def restore_to(self, handlers: dict[int, Any]) -> None:
+        """What :meth:`uninstall` installs for these signals instead of the handlers it found at :meth:`install`.
+        The entry point passes a SIGTERM handler that lets it print its last word: the launcher SIGTERMs a rank as
+        soon as another one exited, and between the end of the run (this control uninstalled) and the rank's
+        message the default handler would end it silently."""
+        self._after_run = dict(handlers)
+
     def uninstall(self) -> None:
         self._done.set()
         for sig, handler in self._previous.items():
             if threading.current_thread() is threading.main_thread():
-                signal.signal(sig, handler)
+                signal.signal(sig, self._after_run.get(sig, handler))
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:

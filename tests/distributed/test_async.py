@@ -25,14 +25,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import EXTENDED, REPO, free_port, launch, write_json
+from conftest import EXTENDED, REPO, free_port, launch, node_launcher, write_json
 
 BASE = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
 ARGS = ["--dsrl.run.rollouts", "6", "--dsrl.sft.steps", "4", "--dsrl.run.save_every", "2",
@@ -73,8 +72,7 @@ def _rows(out: Path, event: str) -> list[dict]:
 def _start(args: list[str], nprocs: int, env: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p), **(env or {})}
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port",
-           str(free_port()), "launch/train.py", *args]
+    cmd = [*node_launcher(nprocs, free_port()), "launch/train.py", *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -347,6 +347,41 @@ def test_stop_decisions(monkeypatch):
     assert not _looks_like_launcher(["bash", "-c", "python train.py"])
 
 
+@pytest.mark.parametrize("hand_over", [True, False])
+def test_a_sigterm_after_the_run_does_not_silence_the_ranks_last_word(hand_over):
+    """The launcher SIGTERMs a rank as soon as another one exited; once the run is over (its stop control
+    uninstalled), the entry point's handler keeps the rank alive to print its message (False: the default handler
+    the control found, which ends it silently: the guard's planted failure). In a forked child."""
+    import launch.train as entry
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a rank whose run just ended
+        code = 3
+        try:
+            os.close(read)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            stop = StopControl(grace_s=10)
+            stop.install()
+            stop.begin_training()
+            if hand_over:
+                stop.restore_to({signal.SIGTERM: entry._ending})  # as launch/train.py does once the trainer exists
+            stop.end_run()
+            stop.uninstall()  # the run is over; its last word is not printed yet
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, because another rank exited first
+            time.sleep(0.1)
+            os.write(write, b"dsrl: error: generator 0 (rank 2 on host a) has ended")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as f:
+        said = f.read().decode()
+    assert ("generator 0 (rank 2 on host a)" in said) == hand_over, (status, said)
+    assert os.waitstatus_to_exitcode(status) == (0 if hand_over else -signal.SIGTERM), status
+
+
 def test_universal_conversion_sees_only_the_engine_s_own_files(tmp_path):
     """A policy checkpoint holds its critic in a sub-directory; DeepSpeed's converter walks directories
     recursively and took the critic's model-state file for a second model-parallel rank (found on a
