@@ -19,10 +19,9 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 
-from conftest import EXTENDED, REPO, free_port, launch, one_rank
+from conftest import EXTENDED, REPO, free_port, launch, node_launcher, one_rank
 
 pytestmark = EXTENDED  # the extended tier (tests/conftest.py)
 
@@ -62,8 +61,7 @@ def test_resume_forms_lock_refusals_and_damaged_checkpoints(tmp_path):
 
     # 1. A second job while the first runs: refused with the first one's host and pid.
     first = subprocess.Popen(
-        [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-         str(free_port()), "launch/train.py", *base, "--dsrl.run.stop_after_rollouts", "1"], cwd=REPO,
+        [*node_launcher(2, free_port()), "launch/train.py", *base, "--dsrl.run.stop_after_rollouts", "1"], cwd=REPO,
         env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
              "DSRL_TEST_REWARD_GATE": str(tmp_path / "gate")},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

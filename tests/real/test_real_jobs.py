@@ -157,23 +157,18 @@ def test_the_exactness_check_holds_on_the_real_model(real_model):
     """Against the float32 reference over dsrl's own micro-batches (dsrl.cli.check.micro_batch_reference): the
     update as a whole at most 1e-6 from it on ZeRO-2 and 1e-5 on ZeRO-3, whose own float32 path differs from the plain
     module's by 1.7e-6 already on one rank (no normalization involved); the least-squares factor between the two
-    within 1e-6 of 1 on both; float32 itself some 1e-4 from float64 (printed). The planted per-micro-batch mean
-    (naive, on ZeRO-2) fails it by orders of magnitude."""
-    cases, stdout = [], ""
-    for stage, methods in (("2", "dsrl,naive"), ("3", "dsrl")):
-        proc = launch(["--module", "dsrl.check", "--ds_config", "configs/check_cpu.json", "--model", str(real_model),
-                       "--zero_stages", stage, "--loss_agg", "seq-mean-token-mean", "--splits", "uneven",
-                       "--method", methods], nprocs=2, timeout=900, check=False)
-        stdout += proc.stdout[-3000:]
-        cases += re.findall(r"ZeRO-(\d) .* (dsrl|naive) +relative error (\S+) \(update/reference (\S+)\); against "
-                            r"float64 (\S+)", proc.stdout)
-    assert [c[:2] for c in cases] == [("2", "dsrl"), ("2", "naive"), ("3", "dsrl")], stdout
-    for stage, method, err, ratio, f64 in cases:
-        if method == "dsrl":
-            assert float(err) <= (1e-6 if stage == "2" else 1e-5), (stage, err, ratio)
-            assert abs(float(ratio) - 1) <= 1e-6 and float(f64) < 1e-2, (stage, err, ratio, f64)
-        else:
-            assert float(err) > 1e-2 and abs(float(ratio) - 1) > 1e-3, (stage, err, ratio)
+    within 1e-6 of 1 on both; float32 itself some 1e-4 from float64 (printed). One launch, both stages. The planted
+    per-micro-batch mean (``--method naive``) fails this check by orders of magnitude on this model too (measured in
+    docs/exactness.md); it runs on the tiny models in the README suite (tests/distributed/test_exactness.py)."""
+    proc = launch(["--module", "dsrl.check", "--ds_config", "configs/check_cpu.json", "--model", str(real_model),
+                   "--zero_stages", "2,3", "--loss_agg", "seq-mean-token-mean", "--splits", "uneven",
+                   "--method", "dsrl"], nprocs=2, timeout=900, check=False)
+    cases = re.findall(r"ZeRO-(\d) .* (dsrl|naive) +relative error (\S+) \(update/reference (\S+)\); against "
+                       r"float64 (\S+)", proc.stdout)
+    assert [c[:2] for c in cases] == [("2", "dsrl"), ("3", "dsrl")], proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage, _, err, ratio, f64 in cases:
+        assert float(err) <= (1e-6 if stage == "2" else 1e-5), (stage, err, ratio)
+        assert abs(float(ratio) - 1) <= 1e-6 and float(f64) < 1e-2, (stage, err, ratio, f64)
 
 
 def test_the_plans_memory_per_phase_matches_the_measured_within_15_percent(tmp_path, real_model, chain_sum):
