@@ -35,9 +35,10 @@ float32. A deep model's float32 step is itself about 1e-4 from float64 (SmolLM2-
 its definition over the very micro-batches dsrl's ranks run, computed in one process in float32
 (:func:`micro_batch_reference`): only the normalization and the summation over ranks can differ. Its error is that
 of the update as one vector (a small tensor whose gradient cancels over many tokens, e.g. a norm's weight, differs
-by float32 summation order alone by up to 5e-5), at most 1e-5 by default (ZeRO-2: 8e-8; ZeRO-3, whose own float32
-path is 1.7e-6 from the plain module's even on one rank: 1.6e-6); the error against the float64 full-batch
-reference is printed beside it.
+by float32 summation order alone by up to 5e-5), at most 1e-5 by default (ZeRO-2: 8e-8 on two ranks, 4.8e-8 on
+one; ZeRO-3: 1.6e-6 on two ranks, and 5.6e-6 already on one rank, no normalization across ranks involved, the worst
+tensors being RMSNorm weights at 4e-5: ZeRO-3's own float32 path differs from the plain module's, cause not found);
+the error against the float64 full-batch reference is printed beside it.
 
 The last line printed is ``max relative gradient error: <float>``; the exit code is non-zero when
 it exceeds the tolerance (1e-6 in float32; looser in bf16/fp16, where the model runs in 16 bits).
