@@ -75,6 +75,7 @@ def test_gpu_bench_smoke_runs_every_part(tmp_path):
     assert profiled["profile"]["steps"]["traced"] > 0  # the generate window was traced
     assert parts["e2e-cb"]["data"]["results"]["cb"]["dsrl"]["summary"]["rollouts"] >= 1
     assert "auto/faster" in parts["auto-grid"]["data"]["body"]  # the grid's table, from its report() body
+    _check_auto_grid_smoke(tmp_path / "auto-grid.json")  # the part's own --json file
     section = (tmp_path / "section.md").read_text()
     for heading in ("#### Rollout tokens/s", "#### `auto` choices re-derived", "#### End to end vs TRL GRPOTrainer",
                     "#### Where the time and memory go", "#### Chunked log-prob memory",
@@ -83,13 +84,11 @@ def test_gpu_bench_smoke_runs_every_part(tmp_path):
         assert heading in section, heading
 
 
-def test_auto_grid_smoke(tmp_path):
-    """bench/auto_grid.py's smoke cells: dsrl's Trainer alternates hf and cb on its auto backend as scheduled, every
-    timed pair has both backends' phase_generate_s from the metrics rows and CPU seconds, and auto's pick and reason
-    come from the rule (no timing is checked)."""
-    out = tmp_path / "grid.json"
-    run(["bench/auto_grid.py", "--smoke", "--no-record", "--json", str(out)], timeout=300)
-    results = json.loads(out.read_text())["results"]
+def _check_auto_grid_smoke(path: Path) -> None:
+    """bench/auto_grid.py's smoke cells (run as the GPU smoke's auto-grid part): dsrl's Trainer alternates hf and cb on
+    its auto backend as scheduled, every timed pair has both backends' phase_generate_s from the metrics rows and CPU
+    seconds, and auto's pick and reason come from the rule (no timing is checked)."""
+    results = json.loads(path.read_text())["results"]
     assert [(r["cell"]["concurrency"], r["cell"]["max_new_tokens"]) for r in results] == [(8, 8), (16, 16)]
     for r in results:
         assert r["status"] == "ok", r.get("error")
