@@ -15,6 +15,7 @@ from deepspeed.utils import safe_get_full_grad
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dsrl.cli.check_models import with_zero3_autograd_nodes
+from dsrl.runtime.process_exit import leave
 
 
 def main() -> None:
@@ -51,3 +52,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # no interpreter finalization while gloo's threads live (dsrl.runtime.process_exit)
