@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
         role = split_world(cfg.dsrl)  # disaggregated: the job's last rollout.generator_ranks ranks generate
         if role is not None and role.kind == GENERATOR:
-            from dsrl.rl.disagg.generator import GeneratorWorker
+            from dsrl.rl.run.engines import start_generator
 
-            _leave(GeneratorWorker.start(cfg, role).run())
+            _leave(start_generator(cfg, role).run())
         trainer = Trainer.from_config(cfg, resume=args.resume, role=role)
         trainer.parts.stop.restore_to({signal.SIGTERM: _ending})
         trainer.run()

@@ -9,7 +9,9 @@ completions of random length, random rewards, GRPO group-normalised advantages, 
 log-probs are the current ones, detached). The loop is Megatron's own: build the model, wrap it in
 DDP, ``get_megatron_optimizer``, an ``OptimizerParamScheduler`` with the plan's horizon; dsrl owns
 the normalisation, the single ``forward_backward_func`` call per optimizer step and the scheduler.
-The number of micro-batches per rank differs between replicas and steps (token-balanced split).
+Each rollout's mini-batches and each replica's micro-batches come from :mod:`dsrl.core.partition`, the split dsrl's
+own RL loop uses (:func:`~dsrl.core.partition.mini_batches`, then :func:`~dsrl.core.partition.partition_mini_batch`
+by the plan: fixed micro-batches of ``--micro_batch_size`` rows, one shape for pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -114,30 +116,14 @@ def synthetic_rollout(args: argparse.Namespace, rollout: int) -> list[dict[str, 
     return seqs
 
 
-def split_for_replicas(seqs: list[dict], dp: int, rows: int) -> list[list[dict[str, torch.Tensor]]]:
-    """Greedy token-balanced split over DP replicas, then fixed-shape micro-batches of ``rows`` rows
-    (a partial last micro-batch is padded with fully masked rows). Micro-batch counts may differ."""
-    order = sorted(range(len(seqs)), key=lambda i: -float(seqs[i]["loss_mask"].sum()))
-    buckets: list[list[int]] = [[] for _ in range(dp)]
-    load = [0.0] * dp
-    for i in order:
-        r = min(range(dp), key=lambda k: (load[k] + 1e-3 * len(buckets[k])))
-        buckets[r].append(i)
-        load[r] += float(seqs[i]["loss_mask"].sum()) + 4.0  # prompt cost too
-    out = []
-    for idx in buckets:
-        micros = []
-        for start in range(0, len(idx), rows):
-            chunk = [seqs[i] for i in idx[start:start + rows]]
-            pad = rows - len(chunk)
-            tokens = torch.stack([c["tokens"] for c in chunk] + [chunk[0]["tokens"]] * pad)
-            mask = torch.stack([c["loss_mask"] for c in chunk] + [torch.zeros_like(chunk[0]["loss_mask"])] * pad)
-            adv = torch.stack([c["advantages"] for c in chunk] + [torch.zeros(())] * pad)
-            S = tokens.shape[1]
-            micros.append({"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1), "loss_mask": mask,
-                           "position_ids": torch.arange(S).expand(rows, S).contiguous(), "advantages": adv})
-        out.append(micros)
-    return out
+def collate(chunk: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One micro-batch of equal-length rows: tokens, next-token labels, the loss mask, positions, advantages."""
+    tokens = torch.stack([c["tokens"] for c in chunk])
+    b, s = tokens.shape
+    return {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1),
+            "loss_mask": torch.stack([c["loss_mask"] for c in chunk]),
+            "position_ids": torch.arange(s).expand(b, s).contiguous(),
+            "advantages": torch.stack([c["advantages"] for c in chunk])}
 
 
 def main() -> None:
@@ -148,6 +134,7 @@ def main() -> None:
     from dsrl import BatchPlan, load_config
     from dsrl.algos.losses import clipped_policy_loss
     from dsrl.backends.megatron import MegatronRLStep
+    from dsrl.core.partition import mini_batches, partition_mini_batch
 
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     dp = ps.get_data_parallel_world_size()
@@ -179,20 +166,20 @@ def main() -> None:
     t0 = time.time()
     for rollout in range(plan.rollouts):
         seqs = synthetic_rollout(args, rollout)
-        g = torch.Generator().manual_seed(rollout)
-        for epoch in range(plan.epochs_per_rollout):
-            perm = torch.randperm(len(seqs), generator=g).tolist()
-            for k in range(plan.mini_batches_per_rollout):
-                mini = [seqs[i] for i in perm[k * plan.mini_batch_size:(k + 1) * plan.mini_batch_size]]
-                replicas = split_for_replicas(mini, dp, args.micro_batch_size)
-                mine = replicas[ps.get_data_parallel_rank()]
-                out = step.train_step(mine, forward_fn, loss_fn)
-                if rank0:
-                    print(f"[dsrl] rollout {rollout} epoch {epoch} step {out['optimizer_step']}: "
-                          f"micro-batches per replica {[len(r) for r in replicas]} (fillers here "
-                          f"{out['filler_micro_batches']}), tokens {out['tokens']}, loss {out['loss']:+.6f}, "
-                          f"nll {out['neg_logp']:.4f}, grad_norm {out['grad_norm']:.4e}, lr {out['lr']:.2e}, "
-                          f"scheduler at {out['scheduler_position']}", flush=True)
+        # the rollout's mini-batches (each epoch reshuffled), then this replica's micro-batches of each, as dsrl's
+        # own loop cuts them (dsrl.core.partition); the sequences share one length (the fixed shape)
+        for k, indices in enumerate(mini_batches(len(seqs), plan.mini_batch_size, plan.epochs_per_rollout,
+                                                 seed=1000 * args.seed + rollout)):
+            epoch = k // plan.mini_batches_per_rollout
+            replicas = partition_mini_batch(indices, [args.seq_len] * len(indices), plan)
+            mine = [collate([seqs[i] for i in micro]) for micro in replicas[ps.get_data_parallel_rank()]]
+            out = step.train_step(mine, forward_fn, loss_fn)
+            if rank0:
+                print(f"[dsrl] rollout {rollout} epoch {epoch} step {out['optimizer_step']}: "
+                      f"micro-batches per replica {[len(r) for r in replicas]} (fillers here "
+                      f"{out['filler_micro_batches']}), tokens {out['tokens']}, loss {out['loss']:+.6f}, "
+                      f"nll {out['neg_logp']:.4f}, grad_norm {out['grad_norm']:.4e}, lr {out['lr']:.2e}, "
+                      f"scheduler at {out['scheduler_position']}", flush=True)
     if rank0:
         print(f"[dsrl] done: {step.optimizer_steps} optimizer steps, {step.skipped_steps} skipped, "
               f"{time.time() - t0:.1f}s", flush=True)

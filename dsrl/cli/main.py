@@ -62,7 +62,7 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     prepared = prepare(cfg, world_size=trainers, dataset_size=dataset_size, on_gpu=on_gpu)
     plan, spec, on_gpu = prepared.plan, prepared.schedule, prepared.on_gpu
     if cfg.dsrl.has_critic:
-        from dsrl.rl.critic import prepare_critic
+        from dsrl.rl.run.engines import prepare_critic
 
         prepare_critic(cfg, trainers, dataset_size, on_gpu)
     lr = base_lr(cfg)

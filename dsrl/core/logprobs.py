@@ -35,6 +35,7 @@ DeepSpeed, and Megatron runs need the same function); transformers and megatron-
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,23 @@ class VocabShard:
     group: Any
     start: int
     largest: int
+
+
+_DECLARED_SHARDS: weakref.WeakKeyDictionary[torch.nn.Module, VocabShard] = weakref.WeakKeyDictionary()
+
+
+def declare_vocab_shard(head: torch.nn.Module, shard: VocabShard) -> None:
+    """Record that ``head`` (a model's output head) holds only ``shard`` of the vocabulary: the engine that sharded
+    it says so once, when it builds the model (DeepSpeed's AutoTP: :func:`dsrl.backends.deepspeed.autotp.
+    declare_vocab_shard_of`), so that the log-probs of ``dsrl.rl`` compute vocabulary-parallel without knowing
+    which framework sharded the head. Kept as long as the head lives."""
+    _DECLARED_SHARDS[head] = shard
+
+
+def declared_vocab_shard(head: torch.nn.Module) -> VocabShard | None:
+    """The shard :func:`declare_vocab_shard` recorded for ``head``; None for a head that holds the whole
+    vocabulary (nothing declared)."""
+    return _DECLARED_SHARDS.get(head)
 
 
 def _rows_per_chunk(columns: int) -> int:

@@ -18,10 +18,10 @@ imports. Rooms, each a package of its own:
 - :mod:`.disagg` -- asynchronous (disaggregated) RL: trainer and generator roles, the wire formats, the remote
   rollout backend of the trainer ranks and the generator worker (ARCHITECTURE §8).
 
-May import: every package below it (config, core, backends, checkpoint, rollout, algos, tasks, runtime);
-never :mod:`dsrl.cli`. A room never imports the modules at this level (trainer, experience, critic, sft,
-empty_rollouts) nor :mod:`.run`; between rooms imports point one way: ``data`` imports no other room, ``policy``
-only ``data``,
-``rewards`` may import ``data`` and ``policy``, ``episodes`` may import ``data`` and ``rewards``, ``disagg`` may
-import ``data`` and ``policy`` (tests/unit/test_layout.py checks it).
+May import: every package below it (config, core, checkpoint, rollout, algos, tasks, runtime), and the backends only
+in :mod:`.run` (:mod:`.run.engines` chooses the training engine; everything else works on
+:class:`dsrl.core.engine.TrainEngine`); never :mod:`dsrl.cli`. A room never imports the modules at this level
+(trainer, experience, critic, sft, empty_rollouts) nor :mod:`.run`; between rooms imports point one way: ``data``
+imports no other room, ``policy`` only ``data``, ``rewards`` may import ``data`` and ``policy``, ``episodes`` may
+import ``data`` and ``rewards``, ``disagg`` may import ``data`` and ``policy`` (tests/unit/test_layout.py checks it).
 """

@@ -1,4 +1,4 @@
-"""The critic of algorithms with a value model (``ppo``): a second :class:`dsrl.backends.deepspeed.engine.RLEngine`.
+"""The critic of algorithms with a value model (``ppo``): a second :class:`dsrl.core.engine.TrainEngine`.
 
 The value model is ``transformers.AutoModelForTokenClassification`` with one label: the causal LM's
 backbone plus a linear ``score`` head giving one scalar per position (loaded from ``critic.path``, a
@@ -15,8 +15,8 @@ Invariants kept here:
   and LR schedule whose horizon is the critic's own step count (warm-up rollouts included);
 - the value loss (:func:`dsrl.algos.losses.clipped_value_loss`) is aggregated ``token-mean`` over the
   mini-batch by the same step core as the policy loss: exact under any split, ZeRO stage or rank count;
-- every forward goes through the engine and through :meth:`RLEngine.forward_no_grad` /
-  :meth:`RLEngine.train_mini_batch`, so every rank runs the same number of forwards and backwards
+- every forward goes through the engine and through :meth:`TrainEngine.forward_no_grad` /
+  :meth:`TrainEngine.train_mini_batch`, so every rank runs the same number of forwards and backwards
   (ZeRO-3 gathers parameters in each one).
 
 The seam: the trainer and the experience maker see the critic as one collaborator, a :class:`Critic` or the
@@ -24,7 +24,8 @@ The seam: the trainer and the experience maker see the critic as one collaborato
 values (:meth:`Critic.add_values`), one step per mini-batch (:meth:`Critic.train_mini_batch`), its engine in the
 checkpoint (:meth:`Critic.companions`) and its metrics -- and one attribute, ``present``, for the one decision it
 implies elsewhere (advantages by GAE from its values, or group advantages). Whether a run has a critic is decided
-once, by :func:`prepare_critic` (None without one) and :func:`build_critic`.
+once, by :func:`dsrl.rl.run.engines.prepare_critic` (None without one) and :func:`dsrl.rl.run.engines.build_critic`,
+where the composition root builds the critic's engine.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsrl.algos.losses import clipped_value_loss
-from dsrl.backends.deepspeed.engine import EngineSpec, RLEngine, initialize, prepare
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.config.names import TOKEN_MEAN
+from dsrl.core.engine import TrainEngine
 from dsrl.rl.data.batching import PassBatches
 from dsrl.runtime.metrics import CRITIC_STEP_METRICS, critic_record
 from dsrl.runtime.phases import PhaseClock
@@ -80,19 +81,6 @@ def critic_config(cfg: Config) -> Config:
     section["critic"]["warmup_rollouts"] = 0
     section["sft"]["steps"] = 0  # the supervised warm-up trains the policy only
     return load_config({**ds, "dsrl": section})
-
-
-def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec | None:
-    """The critic's :class:`EngineSpec`: its half of the run file validated as the policy's is (DeepSpeed's own
-    classes, the schedule with the critic's horizon), once, before any model is built; None when the algorithm
-    trains no value model (the one place that decides)."""
-    if not cfg.dsrl.has_critic:
-        return None
-    ccfg = critic_config(cfg)  # AutoTP and Ulysses are refused with the run file (dsrl.config.support)
-    try:
-        return prepare(ccfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
-    except ConfigError as e:
-        raise ConfigError(f"the critic's run file (the policy's with dsrl.critic swapped in): {e}") from None
 
 
 def build_value_model(cfg: Config, tokenizer: PreTrainedTokenizerBase, on_gpu: bool, seed: int) -> torch.nn.Module:
@@ -136,34 +124,27 @@ def forward_values(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> to
 
 
 class Critic:
-    """The value model's RLEngine and what the trainer and the experience maker ask of it (module docstring): the
+    """The value model's engine and what the trainer and the experience maker ask of it (module docstring): the
     rollout's values, one exact optimizer step per mini-batch (its results kept for the rollout's metrics), its
     engine in the checkpoint (a companion of the policy's)."""
 
     present = True
 
-    def __init__(self, rl: RLEngine, value_clip: float | None, phases: PhaseClock | None = None):
+    def __init__(self, rl: TrainEngine, value_clip: float | None, phases: PhaseClock | None = None):
         self.rl = rl
         self.value_clip = value_clip
         self.phases = phases or PhaseClock()  # times the values pass as the ``critic_values`` phase
         self.results: list[dict[str, Any]] = []  # this rollout's step results
-
-    @classmethod
-    def build(cls, spec: EngineSpec, tokenizer: PreTrainedTokenizerBase, seed: int,
-              phases: PhaseClock | None = None) -> Critic:
-        """The critic's engine from its :func:`prepare_critic` spec, the value model seeded like the policy."""
-        model = build_value_model(spec.config, tokenizer, spec.on_gpu, seed=seed)
-        return cls(initialize(model, spec), spec.config.dsrl.critic.value_clip, phases)
 
     def values(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """The rollout's values per micro-batch (``[b, t]``, on the device), before any update; every rank runs
         the same number of forwards."""
         return self.rl.forward_no_grad(micro_batches, forward_values)
 
-    def loss_fn(self, model: torch.nn.Module,
-                micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token clipped value loss and metrics (the new values, the returns, the clip indicator)."""
-        values = forward_values(model, micro)
+    def token_loss(self, values: torch.Tensor,
+                   micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token clipped value loss of :func:`forward_values`' output and metrics (the new values, the returns,
+        the clip indicator): the engine seam's second part (:mod:`dsrl.core.engine`)."""
         loss, m = clipped_value_loss(values, micro["old_values"], micro["returns"], self.value_clip)
         return loss, {"vf_clip_frac": m["vf_clip_frac"], "value": values.detach(), "return": micro["returns"]}
 
@@ -183,7 +164,7 @@ class Critic:
         """One exact optimizer step of the critic over the same micro-batches the policy steps on (timed in
         ``step_s``, kept for :meth:`rollout_metrics`)."""
         t0 = time.perf_counter()
-        res = self.rl.train_mini_batch(micro_batches, self.loss_fn)
+        res = self.rl.train_mini_batch(micro_batches, forward_values, self.token_loss)
         res["step_s"] = time.perf_counter() - t0
         self.results.append(res)
         return res
@@ -228,9 +209,3 @@ class NoCritic:
 
 
 NO_CRITIC = NoCritic()
-
-
-def build_critic(spec: EngineSpec | None, tokenizer: PreTrainedTokenizerBase, seed: int,
-                 phases: PhaseClock | None = None) -> Critic | NoCritic:
-    """The run's critic from :func:`prepare_critic`'s spec, or :data:`NO_CRITIC` when it gave none."""
-    return NO_CRITIC if spec is None else Critic.build(spec, tokenizer, seed, phases)

@@ -3,7 +3,7 @@
 A randomly initialised policy first has to discover what an answer looks like before a reward can
 teach it anything; a few supervised steps on the prompts' reference answers give RL a starting
 point. :class:`SupervisedWarmup` runs ``sft.steps`` optimizer steps of the policy's own
-:class:`dsrl.backends.deepspeed.engine.RLEngine` before rollout 1, each on ``batch.mini_batch_size`` (prompt, reference
+:class:`dsrl.core.engine.TrainEngine` before rollout 1, each on ``batch.mini_batch_size`` (prompt, reference
 answer + eos) sequences, with the per-token loss ``-log pi(answer token)``:
 
 - the step is the exact step of every RL step (same aggregation mode, partition and micro-batches,
@@ -37,12 +37,12 @@ from dsrl.core.plan import BatchPlan
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.prompts import PromptSource
 from dsrl.rl.data.replica import my_micro_batches
-from dsrl.rl.policy.logprobs import forward_logprobs
+from dsrl.rl.policy.logprobs import TokenLogprobs, forward_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from dsrl.backends.deepspeed.engine import RLEngine
+    from dsrl.core.engine import TrainEngine
 
 
 class SupervisedWarmup:
@@ -52,7 +52,7 @@ class SupervisedWarmup:
     column, the environment and its chat template), ``rollout`` (the length limits, the stop tokens) and the run's
     ``seed``."""
 
-    def __init__(self, sft: SftConfig, plan: BatchPlan, policy: RLEngine, tokenizer: PreTrainedTokenizerBase,
+    def __init__(self, sft: SftConfig, plan: BatchPlan, policy: TrainEngine, tokenizer: PreTrainedTokenizerBase,
                  prompts: PromptSource, *,
                  data: DataConfig, rollout: RolloutConfig, seed: int):
         self.sft, self.data, self.rollout, self.seed = sft, data, rollout, seed
@@ -107,10 +107,14 @@ class SupervisedWarmup:
                        reward=0.0) for i in picks]
 
     @staticmethod
-    def loss_fn(engine: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token negative log-likelihood of the answer, and whether the answer's token has the largest logit
-        (both from the fused output head's tiles, :mod:`dsrl.rl.policy.logprobs`)."""
-        tok = forward_logprobs(engine, micro)
+    def forward(engine: Any, micro: dict[str, torch.Tensor]) -> TokenLogprobs:
+        """The answer's log-probs and whether its token has the largest logit (both from the fused output head's
+        tiles, :mod:`dsrl.rl.policy.logprobs`)."""
+        return forward_logprobs(engine, micro)
+
+    @staticmethod
+    def token_loss(tok: TokenLogprobs, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token negative log-likelihood of the answer, and the top-1 token accuracy as a metric."""
         return -tok.logprobs, {"token_accuracy": tok.target_is_top}
 
     def run(self, on_step: Callable[[int, Any], None]) -> None:
@@ -121,6 +125,6 @@ class SupervisedWarmup:
             micros = my_micro_batches(samples, per_rank, self.policy.view, self.pad_id, self.policy.device,
                                       self.plan.packing)
             t0 = time.perf_counter()
-            res = self.policy.train_mini_batch(micros, self.loss_fn)
+            res = self.policy.train_mini_batch(micros, self.forward, self.token_loss)
             res["step_s"] = time.perf_counter() - t0
             on_step(step + 1, res)

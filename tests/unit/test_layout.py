@@ -7,6 +7,7 @@
   other; ``checkpoint`` the DeepSpeed backend, never ``rl``; ``rollout`` and ``algos`` never ``rl``,
   ``checkpoint`` or ``cli``; ``rl`` composes everything below it, its rooms (``rl.policy``, ``rl.data``,
   ``rl.rewards``, ``rl.episodes``, ``rl.disagg``) never import its own modules and import each other one way;
+  of ``rl`` only the run's parts (``rl.run``) name a backend, the rest works on ``core.engine.TrainEngine``;
   ``cli`` and the top-level entries sit on top; nothing imports ``tests``;
 - no import circle among dsrl's modules, and every checker is shown to fail on a planted violation.
 """
@@ -25,6 +26,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "dsrl"
 PACKAGES = ("config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "rl",
             "rl.policy", "rl.data", "rl.rewards", "rl.episodes", "rl.disagg", "rl.run", "tasks", "runtime", "cli")
 BELOW_RL = {"config", "core", "backends.deepspeed", "checkpoint", "rollout", "algos", "tasks", "runtime"}
+# the engine seam (ARCHITECTURE §4, "(engine)"): of dsrl.rl only the run's parts name a backend; every other module
+# and room works on dsrl.core.engine.TrainEngine
+BACKENDS = {"backends.deepspeed", "backends.megatron"}
 RL_ROOMS = {"rl.policy", "rl.data", "rl.rewards", "rl.episodes", "rl.disagg"}
 TOP_LEVEL = {"dsrl", "dsrl.check", "dsrl.__main__"}
 # package -> the dsrl packages it may import (besides itself). Anything not listed is forbidden.
@@ -42,15 +46,15 @@ MAY_IMPORT: dict[str, set[str]] = {
     # the RL application's own modules (trainer, experience, critic, sft) compose everything below and every room;
     # a room never imports them, and rooms import each other one way only (dsrl/rl/__init__.py); the run's parts
     # (rl.run) compose the application's modules, and only the trainer imports them (ONLY_THE_TRAINER)
-    "rl": BELOW_RL | RL_ROOMS | {"rl.run"},
+    "rl": (BELOW_RL - BACKENDS) | RL_ROOMS | {"rl.run"},
     "rl.run": BELOW_RL | RL_ROOMS | {"rl"},
-    "rl.policy": {"config", "core", "backends.deepspeed", "rollout", "algos", "runtime", "rl.data"},
+    "rl.policy": {"config", "core", "rollout", "algos", "runtime", "rl.data"},
     "rl.data": {"config", "core", "tasks"},
-    "rl.rewards": {"config", "core", "backends.deepspeed", "rollout", "runtime", "tasks", "rl.data", "rl.policy"},
+    "rl.rewards": {"config", "core", "rollout", "runtime", "tasks", "rl.data", "rl.policy"},
     "rl.episodes": {"config", "core", "runtime", "rollout", "rl.data", "rl.rewards"},
-    "rl.disagg": {"config", "core", "backends.deepspeed", "rollout", "runtime", "rl.data", "rl.policy"},
+    "rl.disagg": {"config", "core", "rollout", "runtime", "rl.data", "rl.policy"},
     "cli": {"config", "core", "backends.deepspeed", "backends.megatron", "checkpoint", "rollout", "algos", "tasks",
-            "runtime"} | {"rl"} | RL_ROOMS,
+            "runtime"} | {"rl", "rl.run"} | RL_ROOMS,
 }
 
 
@@ -233,6 +237,11 @@ def _plant(root: pathlib.Path, module: str, line: str) -> None:
     ("dsrl.rl.experience", "from dsrl.rl.run import parts", "only the trainer imports rl.run"),
     ("dsrl.rl.policy.actor", "from dsrl.rl.run.state import RunState", "rl.policy may import only"),
     ("dsrl.rl.run.state", "from dsrl.cli import main", "rl.run may import only"),
+    # the engine seam: only the run's parts choose (and so name) the training engine
+    ("dsrl.rl.policy.actor", "from dsrl.backends.deepspeed.engine import initialize", "rl.policy may import only"),
+    ("dsrl.rl.critic", "from dsrl.backends.deepspeed.engine import RLEngine", "rl may import only"),
+    ("dsrl.rl.disagg.generator", "from dsrl.backends.deepspeed.engine import on_gpu", "rl.disagg may import only"),
+    ("dsrl.rl.experience", "from dsrl.backends.megatron import step", "rl may import only"),
 ])
 def test_the_direction_check_fails_on_a_planted_violation(planted, module, line, expected):
     assert violations(planted) == []

@@ -4,19 +4,27 @@ critic's run file is the policy's with dsrl.critic swapped in, and `dsrl plot` d
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 import torch
 from conftest import REPO
 
+from dsrl.backends.deepspeed.engine import RLEngine
 from dsrl.config import ConfigError, ModelConfig, load_config
 from dsrl.core.plan import BatchPlan
 from dsrl.rl.critic import critic_config
 from dsrl.rl.policy.tokenizer import load_tokenizer
 from dsrl.rl.rewards.model import RewardModel, save_tiny_reward_model
 
-PLAIN = types.SimpleNamespace(zero_stage=2, device="cpu")  # a policy engine that does not shard (ZeRO < 3)
+
+class _PlainEngine:
+    """A policy engine that does not shard (ZeRO < 3), placing frozen models as the DeepSpeed engine does."""
+
+    zero_stage, device = 2, "cpu"
+    frozen = RLEngine.frozen
+
+
+PLAIN = _PlainEngine()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dsrl.config import ConfigError
-from dsrl.core.logprobs import VocabShard
+from dsrl.core.logprobs import VocabShard, declare_vocab_shard
 
 SECTION = "tensor_parallel"
 
@@ -126,6 +126,20 @@ def vocab_shard_of(head: torch.nn.Module) -> VocabShard | None:
         return None
     sizes = list(meta["partition_sizes"])
     return VocabShard(group=head.mp_group, start=sum(sizes[:head.tp_index]), largest=max(sizes))
+
+
+def declare_vocab_shard_of(module: torch.nn.Module) -> VocabShard | None:
+    """Declare the vocabulary shard of ``module``'s output head to the log-probs
+    (:func:`dsrl.core.logprobs.declare_vocab_shard`) when AutoTP made it column-parallel (:func:`vocab_shard_of`);
+    every engine dsrl builds over a model calls it once, after DeepSpeed placed the model. Returns the shard
+    (None: the head holds the whole vocabulary, or the model exposes none)."""
+    get_head = getattr(module, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    shard = vocab_shard_of(head) if isinstance(head, torch.nn.Module) else None
+    if shard is not None:
+        assert head is not None
+        declare_vocab_shard(head, shard)
+    return shard
 
 
 def _tensor_parallel_meta(param: torch.Tensor) -> dict[str, Any] | None:

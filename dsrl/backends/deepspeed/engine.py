@@ -29,14 +29,20 @@ import torch.distributed as dist
 from dsrl.backends.deepspeed import cpu_shm, hooks
 from dsrl.backends.deepspeed.apex import apex_adam_for
 from dsrl.backends.deepspeed.autoep import ensure_transformers_compat, expert_parallel_enabled
-from dsrl.backends.deepspeed.autotp import check_model_for_tensor_parallel, tensor_parallel_size
+from dsrl.backends.deepspeed.autotp import (
+    check_model_for_tensor_parallel,
+    declare_vocab_shard_of,
+    tensor_parallel_size,
+)
 from dsrl.backends.deepspeed.config import data_parallel_size
+from dsrl.backends.deepspeed.frozen import FrozenModel, frozen_engine
 from dsrl.backends.deepspeed.offload import require_resident
 from dsrl.backends.deepspeed.schedule import PlannedScheduler, ScheduleSpec
 from dsrl.backends.deepspeed.validation import accelerator_is_gpu, validated_deepspeed_config
 from dsrl.backends.deepspeed.view import deepspeed_view
 from dsrl.config import Config, ConfigError, load_config
 from dsrl.core import launchers, rendezvous, timeouts
+from dsrl.core.engine import TokenLossFn, micro_batch_loss
 from dsrl.core.errors import RunError
 from dsrl.core.parallel import ParallelView
 from dsrl.core.plan import BatchPlan
@@ -143,7 +149,8 @@ def on_gpu() -> bool:
 
 
 class RLEngine(StepCore):
-    """A DeepSpeedEngine whose optimizer step, normalisation and LR schedule dsrl owns.
+    """A DeepSpeedEngine whose optimizer step, normalisation and LR schedule dsrl owns: the DeepSpeed
+    :class:`dsrl.core.engine.TrainEngine`.
 
     The step itself is :class:`dsrl.core.step.StepCore`'s; this adapter says how DeepSpeed runs it:
     one ``engine.backward(D * S_w, scale_wrt_gas=False)`` per micro-batch, then one ``engine.step()``.
@@ -200,22 +207,26 @@ class RLEngine(StepCore):
         return hooks.no_grad_scope(self.engine)
 
     # -- the step -------------------------------------------------------------------------------
-    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> StepResult:
+    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
+                         token_loss_fn: TokenLossFn | None = None) -> StepResult:
         """One optimizer step over a mini-batch given as this rank's micro-batches.
 
         ``loss_fn(engine, micro)`` runs the forward through the engine and returns per-token losses
         ``[b, t]`` (or ``(losses, metrics)`` with per-token metric tensors ``[b, t]``, reported as
         global token means). dsrl applies the aggregation weights; user code never divides by a count.
+        With ``token_loss_fn`` the loss comes in the seam's two parts (:mod:`dsrl.core.engine`): ``loss_fn`` is
+        then the forward and ``token_loss_fn(output, micro)`` the per-token loss of its output.
         The result is a :class:`dsrl.core.step.StepResult`, usable as a dict (``res["loss"]``).
         """
-        return self.run_step(micro_batches, loss_fn)
+        return self.run_step(micro_batches, loss_fn, token_loss_fn)
 
-    def _forward_backward(self, inputs: StepInputs, loss_fn: LossFn) -> tuple[list[Log], torch.Tensor | None]:
+    def _forward_backward(self, inputs: StepInputs, forward_fn: LossFn,
+                          token_loss_fn: TokenLossFn | None) -> tuple[list[Log], torch.Tensor | None]:
         require_resident(self.engine)  # dsrl.memory.offload_states: reloaded before every training phase
         self.engine.train()
         logs = []
         for item in inputs.items:
-            s_w, log = self.micro_loss(loss_fn(self.engine, item.micro), item)
+            s_w, log = self.micro_loss(micro_batch_loss(self.engine, item.micro, forward_fn, token_loss_fn), item)
             self.engine.backward(s_w * self.view.grad_scale, scale_wrt_gas=False)
             logs.append(log)
         # ZeRO-0 has no overflow check of its own: a non-finite local gradient must skip the step too.
@@ -272,6 +283,14 @@ class RLEngine(StepCore):
         finally:
             self.engine.train(was_training)
         return outs
+
+    def frozen(self, module: torch.nn.Module, offload: Callable[[Any], Any] | None = None) -> FrozenModel:
+        """``module`` frozen and placed like this engine's model (:func:`dsrl.backends.deepspeed.frozen.frozen_engine`:
+        under ZeRO-3 an optimizer-less engine sharded like the policy, else a plain module on the device), as a
+        no-grad pass runs it. ``offload(placed)`` makes its weights' offload between passes
+        (:meth:`dsrl.backends.deepspeed.offload.StateOffload.frozen`), None keeps them resident."""
+        placed = frozen_engine(module, self, self.device)
+        return FrozenModel(placed, self.device, offload(placed) if offload is not None else None)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -358,6 +377,7 @@ def initialize(
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu
     )
+    declare_vocab_shard_of(engine.module)  # an untied head AutoTP made column-parallel (the fused log-probs)
     view = deepspeed_view(engine)
     if view.data_parallel_size != plan.data_parallel_size:
         raise ConfigError(

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from dsrl.backends.deepspeed.autotp import declare_vocab_shard_of
 from dsrl.backends.deepspeed.hooks import no_grad_scope
 
 T = TypeVar("T")
@@ -48,6 +49,7 @@ def frozen_engine(module: torch.nn.Module, rl: Any, device: Any) -> Any:
         cfg["tensor_parallel"] = dict(ds["tensor_parallel"])
     engine, *_ = deepspeed.initialize(model=module, config=cfg)
     engine.eval()
+    declare_vocab_shard_of(engine.module)  # sharded like the policy's head under AutoTP (the fused log-probs)
     return engine
 
 
@@ -80,20 +82,27 @@ class FrozenModel:
     """A frozen model beside the policy (a module, or a ZeRO-3 engine from :func:`frozen_engine`) as a no-grad pass
     runs it: ``forward_no_grad(micros, fn)`` returns ``[fn(model, micro) for micro in micros]``, with every rank of a
     sharded model running the same number of forwards (:func:`equal_forwards`; the filler is the first micro-batch
-    this object ever saw) outside the engine's hooks. With ``offload`` (:class:`dsrl.backends.deepspeed.offload.
+    this object ever saw, unless the pass names its own) outside the engine's hooks, counting those fillers in
+    ``filler_forwards``. With ``offload`` (:class:`dsrl.backends.deepspeed.offload.
     FrozenWeights`, ``dsrl.memory.offload_states``) the weights are on the device only during the pass."""
 
     def __init__(self, model: Any, device: Any, offload: Any = None):
         self.model, self.device, self.offload = model, device, offload
         self._filler: Any = None
+        self.filler_forwards = 0  # forwards this rank ran only to match other ranks' counts (ZeRO-3)
 
-    def forward_no_grad(self, micro_batches: Sequence[T], fn: Callable[[Any, T], Any]) -> list[Any]:
+    def forward_no_grad(self, micro_batches: Sequence[T], fn: Callable[[Any, T], Any], filler: T | None = None
+                        ) -> list[Any]:
         micros = list(micro_batches)
-        if micros and self._filler is None:
-            self._filler = micros[0]
-        if self._filler is None and is_sharded(self.model):
+        if filler is None:
+            if micros and self._filler is None:
+                self._filler = micros[0]
+            filler = self._filler
+        if filler is None and is_sharded(self.model):
             raise RuntimeError("a sharded frozen model's first no-grad pass found no micro-batch on this rank, so it "
                                "cannot run the filler forwards the other ranks' gathers need; give every rank at "
                                "least one sequence in the first rollout")
         with self.offload.for_pass() if self.offload is not None else contextlib.nullcontext():
-            return equal_forwards(self.model, micros, fn, self._filler, self.device)[0]
+            outs, fillers = equal_forwards(self.model, micros, fn, filler, self.device)
+        self.filler_forwards += fillers
+        return outs

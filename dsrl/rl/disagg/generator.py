@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,21 +98,20 @@ class GeneratorWorker:
         self.status = 0
 
     @classmethod
-    def start(cls, cfg: Config, role: Role) -> GeneratorWorker:
+    def start(cls, cfg: Config, role: Role, *, on_gpu: bool, trainer_replicas: Callable[[], int]) -> GeneratorWorker:
         """The checks first, agreed with the trainers' (:meth:`dsrl.rl.disagg.roles.Role.agree`): a configuration
         error of either side is printed once, by rank 0, and every rank stops before any work. Then the model on
         this rank's device and the backend, built by the same :class:`dsrl.rl.policy.rollout_side.RolloutSide` and
-        prompt stream as the trainers'."""
-        from dsrl.backends.deepspeed.config import data_parallel_size
-        from dsrl.backends.deepspeed.engine import on_gpu
-
+        prompt stream as the trainers'. ``on_gpu``: the accelerator is a GPU; ``trainer_replicas()``: the trainers'
+        data-parallel replicas (asked after the agreement: the trainers' engine reads them from the run file,
+        :func:`dsrl.rl.run.engines.start_generator`)."""
         d = cfg.dsrl
         problem: ConfigError | RunError | None = None
         side: RolloutSide | None = None
         prompts: PromptSource | None = None
         eval_prompts: EvalPrompts | None = None
         try:
-            side = RolloutSide(RolloutSideSettings.of(d), on_gpu())
+            side = RolloutSide(RolloutSideSettings.of(d), on_gpu)
             prompts = PromptSource.load(d.data, d.batch.prompts_per_rollout, d.run.seed, d.run.last_rollout,
                                         side.tokenizer)
             if d.eval.every:  # the trainers load the same prompts (dsrl.rl.run.parts)
@@ -130,7 +130,7 @@ class GeneratorWorker:
         model = side.on_generator_device()
         try:
             # each call generates one trainer replica's share of a rollout, as the colocated replica's call would
-            replicas = data_parallel_size(cfg.ds_config, role.trainers)
+            replicas = trainer_replicas()
             backend = side.backend(model, d.batch.prompts_per_rollout // replicas)
         except Exception as e:  # noqa: BLE001 - any failure to build it is reported as one sentence
             raise RunError(f"{role.describe(role.global_rank)}: could not build the rollout backend "

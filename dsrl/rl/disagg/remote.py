@@ -43,9 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl.backends.deepspeed.engine import RLEngine
 from dsrl.config import MemoryConfig, RolloutConfig, RunConfig
 from dsrl.core.buckets import bucket_bytes
+from dsrl.core.engine import TrainEngine
 from dsrl.core.errors import RunError
 from dsrl.core.plan import BatchPlan
 from dsrl.rl.data.prompts import PromptSource
@@ -84,7 +84,7 @@ def replica_owner(replica: int, replicas: int, generators: int) -> int:
 class RemoteRolloutBackend(RolloutBackend):
     """Completions from generator ranks (module docstring). Built on every trainer rank (collective)."""
 
-    def __init__(self, role: Role, policy: RLEngine, rollout: RolloutConfig, run: RunConfig, memory: MemoryConfig,
+    def __init__(self, role: Role, policy: TrainEngine, rollout: RolloutConfig, run: RunConfig, memory: MemoryConfig,
                  plan: BatchPlan, prompts: PromptSource, stop: StopControl | None = None):
         """``rollout``/``run``/``memory``: the run file's sections (the generators' backend, the collective bound,
         the weight-sync buckets)."""

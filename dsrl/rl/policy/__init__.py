@@ -6,6 +6,6 @@ tiled log-softmax (:mod:`.logprobs`, the entry point of every log-prob pass), it
 (:mod:`.moe`), its per-token loss (:mod:`.loss`) and the actor (:mod:`.actor`): the engine, the KL reference, the
 routing and the loss behind two verbs, adding a rollout's log-probs and training one mini-batch.
 
-May import: config, core, backends.deepspeed, rollout, algos, runtime, and the room :mod:`dsrl.rl.data`; no other
-room of :mod:`dsrl.rl`.
+May import: config, core (the engine as :class:`dsrl.core.engine.TrainEngine`), rollout, algos, runtime, and the room
+:mod:`dsrl.rl.data`; no other room of :mod:`dsrl.rl`.
 """

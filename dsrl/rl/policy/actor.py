@@ -31,9 +31,8 @@ import torch
 
 from dsrl.algos import ResolvedAlgorithm
 from dsrl.algos.losses import kl_estimate
-from dsrl.backends.deepspeed.engine import EngineSpec, RLEngine, initialize
-from dsrl.backends.deepspeed.frozen import FrozenModel, frozen_engine
 from dsrl.config import AlgorithmConfig, DsrlConfig, ModelConfig
+from dsrl.core.engine import TrainEngine
 from dsrl.core.errors import RunError
 from dsrl.core.forwards import NoGradPasses
 from dsrl.core.parallel import ParallelView
@@ -45,7 +44,6 @@ from dsrl.rl.policy.loss import PolicyLoss
 from dsrl.runtime.phases import PhaseClock
 
 if TYPE_CHECKING:
-    from dsrl.backends.deepspeed.offload import StateOffload
     from dsrl.rl.policy.moe import PolicyRouting, RouteMismatch
 
 
@@ -68,7 +66,7 @@ class ActorSettings:
 class PolicyActor:
     """The policy's training-side duties (module docstring). Build it with :meth:`build`."""
 
-    def __init__(self, engine: RLEngine, loss: PolicyLoss, settings: ActorSettings, *,
+    def __init__(self, engine: TrainEngine, loss: PolicyLoss, settings: ActorSettings, *,
                  reference: NoGradPasses | None = None, routing: PolicyRouting | None = None,
                  phases: PhaseClock | None = None):
         self.engine, self.loss, self.settings = engine, loss, settings
@@ -76,27 +74,24 @@ class PolicyActor:
         self.phases = phases or PhaseClock()
 
     @classmethod
-    def build(cls, model: torch.nn.Module, spec: EngineSpec, model_cfg: ModelConfig, settings: ActorSettings,
-              algo: ResolvedAlgorithm, *, moe: bool, phases: PhaseClock, memory: StateOffload | None = None
-              ) -> PolicyActor:
-        """The policy's engine from ``spec`` (:func:`dsrl.backends.deepspeed.engine.prepare`), its KL reference when
-        ``algorithm.kl_coef > 0`` (a frozen copy taken before the engine wraps the model, or the LoRA policy with its
-        adapters disabled), an MoE policy's routing duties (``moe``) and the loss. ``memory``
-        (:class:`dsrl.backends.deepspeed.offload.StateOffload`) takes the engine's training state and the frozen copy
-        off the device between the phases that need them, with ``dsrl.memory.offload_states``."""
+    def build(cls, model: torch.nn.Module, build_engine: Callable[[torch.nn.Module], TrainEngine],
+              model_cfg: ModelConfig, settings: ActorSettings, algo: ResolvedAlgorithm, *, moe: bool,
+              phases: PhaseClock, frozen_offload: Callable[[Any], Any] | None = None) -> PolicyActor:
+        """The policy's engine, made of ``model`` by ``build_engine`` (the composition root chose the engine,
+        :mod:`dsrl.rl.run.engines`), its KL reference when ``algorithm.kl_coef > 0`` (a frozen copy taken before the
+        engine wraps the model and placed by the engine like the policy, :meth:`TrainEngine.frozen`, or the LoRA
+        policy with its adapters disabled), an MoE policy's routing duties (``moe``) and the loss.
+        ``frozen_offload`` makes the frozen copy's weights' offload between its passes (``dsrl.memory``)."""
         want_reference = settings.algorithm.kl_coef > 0
         copy = None
         if want_reference and model_cfg.lora is None:
             from dsrl.rl.policy.model import frozen_copy
 
-            copy = frozen_copy(model)  # before initialize: the engine may shard the model it wraps
-        engine = initialize(model, spec)
-        if memory is not None:
-            memory.add_engine(engine)
+            copy = frozen_copy(model)  # before the engine: it may shard the model it wraps
+        engine = build_engine(model)
         reference: NoGradPasses | None = None
         if copy is not None:
-            frozen = frozen_engine(copy, engine, engine.device)
-            reference = FrozenModel(frozen, engine.device, memory.frozen(frozen) if memory is not None else None)
+            reference = engine.frozen(copy, frozen_offload)
         elif want_reference:
             from dsrl.rl.policy.lora import AdaptersDisabled
 
@@ -105,7 +100,7 @@ class PolicyActor:
         if moe:
             from dsrl.rl.policy.moe import PolicyRouting
 
-            routing = PolicyRouting(model_cfg, engine.engine, copy)  # the copy's own routers replay the reference's
+            routing = PolicyRouting(model_cfg, engine.module, copy)  # the copy's own routers replay the reference's
         loss = PolicyLoss(settings.algorithm, algo, settings.temperature, reference is not None, routing)
         return cls(engine, loss, settings, reference=reference, routing=routing, phases=phases)
 
@@ -236,7 +231,7 @@ class PolicyActor:
     def _step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         moe = self.routing
         if moe is None:
-            return self.engine.train_mini_batch(micro_batches, self.loss)
+            return self.engine.train_mini_batch(micro_batches, self.loss.forward, self.loss.token_loss)
         load = None
         if moe.aux_coef > 0:
             from dsrl.algos.router_balance import mini_batch_load
@@ -244,7 +239,8 @@ class PolicyActor:
             lay = moe.layout
             load = mini_batch_load(micro_batches, lay.layers, lay.experts, lay.top_k, self.engine.sum_over_count_group)
         try:
-            return self.engine.train_mini_batch(micro_batches, functools.partial(self.loss, load=load))
+            return self.engine.train_mini_batch(micro_batches, functools.partial(self.loss.forward, load=load),
+                                                functools.partial(self.loss.token_loss, load=load))
         finally:
             moe.release()
 

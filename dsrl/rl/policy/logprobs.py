@@ -43,7 +43,16 @@ from typing import Any
 
 import torch
 
-from dsrl.core.logprobs import ENTROPY, LOGPROB, LOGPROB_MASK, TARGET_GAP, VocabShard, head_stats, logit_stats
+from dsrl.core.logprobs import (
+    ENTROPY,
+    LOGPROB,
+    LOGPROB_MASK,
+    TARGET_GAP,
+    VocabShard,
+    declared_vocab_shard,
+    head_stats,
+    logit_stats,
+)
 from dsrl.rl.data.prefix import PREFIX_ATTENTION_MASK, PREFIX_INDEX, PREFIX_INPUT_IDS, PREFIX_POSITION_IDS
 
 # transformers config fields of models that change the head's output before returning it as logits
@@ -167,9 +176,7 @@ def fused_head(module: torch.nn.Module) -> tuple[list[torch.nn.Module], VocabSha
                 "from its full logits")
     if _is_plain_linear(head):
         return [head], None
-    from dsrl.backends.deepspeed.autotp import vocab_shard_of
-
-    shard = vocab_shard_of(head)
+    shard = declared_vocab_shard(head)  # the engine that sharded the head declared it (dsrl.core.logprobs)
     if shard is not None:
         return [head], shard
     wrapped = _modules_to_save(head)

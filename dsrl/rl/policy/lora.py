@@ -32,7 +32,7 @@ import torch
 from dsrl.config import ConfigError, LoraConfig
 
 if TYPE_CHECKING:
-    from dsrl.backends.deepspeed.engine import RLEngine
+    from dsrl.core.engine import TrainEngine
 
 INSTALL_HINT = ("dsrl.model.lora needs Hugging Face PEFT, which is not installed. Fix: in the dsrl checkout, "
                 "pip install -e '.[lora]' (peft>=0.21,<0.22), or remove dsrl.model.lora to fine-tune every parameter.")
@@ -104,10 +104,10 @@ def is_lora_model(model: Any) -> bool:
 class AdaptersDisabled:
     """The KL reference of a LoRA policy: the policy's own engine with its adapters disabled (the base model), so
     no second copy of the weights exists. ``forward_no_grad(micros, fn)`` runs ``fn(engine, micro)`` through
-    :meth:`dsrl.backends.deepspeed.engine.RLEngine.forward_no_grad` (eval mode, no gradients, the same number of
+    :meth:`dsrl.core.engine.TrainEngine.forward_no_grad` (eval mode, no gradients, the same number of
     forwards on every rank) inside PEFT's ``disable_adapter()``; the adapters are enabled again after."""
 
-    def __init__(self, policy: RLEngine):
+    def __init__(self, policy: TrainEngine):
         if not is_lora_model(policy):
             raise TypeError("AdaptersDisabled needs an engine whose module is a PEFT model (dsrl.model.lora)")
         self.policy = policy

@@ -1,9 +1,11 @@
 """The policy's per-token loss of one training micro-batch (:class:`PolicyLoss`), as the trainer's engine calls it.
 
-``PolicyLoss(...)(engine, micro)`` returns ``(loss[b, t], metrics)``: per token, never reduced here. The engine
-(:meth:`dsrl.backends.deepspeed.engine.RLEngine.train_mini_batch`) weights and sums it with the mini-batch's
-global counts (ARCHITECTURE §2), so every term added here -- the clipped surrogate, the KL penalty, the entropy
-bonus, the router's load-balancing term -- is aggregated exactly like the surrogate.
+``PolicyLoss(...)(engine, micro)`` returns ``(loss[b, t], metrics)``: per token, never reduced here. It is the
+engine seam's two parts (:mod:`dsrl.core.engine`) composed: :meth:`PolicyLoss.forward` (the forward through the
+engine) then :meth:`PolicyLoss.token_loss` (the per-token loss of its output), which the actor hands to the
+engine separately. The engine (:meth:`dsrl.core.engine.TrainEngine.train_mini_batch`) weights and sums it with
+the mini-batch's global counts (ARCHITECTURE §2), so every term added here -- the clipped surrogate, the KL
+penalty, the entropy bonus, the router's load-balancing term -- is aggregated exactly like the surrogate.
 
 The log-probs and the entropy come from one forward through the fused output head
 (:func:`dsrl.rl.policy.logprobs.forward_logprobs`); under routing replay the micro-batch's recorded routes are
@@ -28,6 +30,17 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class PolicyOutput:
+    """What a training micro-batch's forward gives its loss: log pi(target) and the entropy ``[b, t]`` at the
+    completion positions, and an MoE policy's recorded router probabilities (None unless the load-balancing term
+    is on)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    router_probs: Any = None
+
+
+@dataclass(frozen=True)
 class PolicyLoss:
     """Clipped surrogate (token or sequence ratio), times the off-policy correction's weight when the micro-batch
     carries one, (+ KL in the loss) (- entropy bonus) (+ the router's load-balancing term, given the mini-batch's
@@ -45,7 +58,14 @@ class PolicyLoss:
 
     def __call__(self, engine: torch.nn.Module, micro: dict[str, Any],
                  load: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        a, algo, moe = self.algorithm, self.algo, self.moe
+        """The whole loss of one micro-batch: :meth:`token_loss` of :meth:`forward`."""
+        return self.token_loss(self.forward(engine, micro, load), micro, load)
+
+    def forward(self, engine: torch.nn.Module, micro: dict[str, Any],
+                load: torch.Tensor | None = None) -> PolicyOutput:
+        """The micro-batch's forward through ``engine``: log-probs and entropy at its completion positions (under
+        routing replay with its routes forced first; with an expert ``load``, the router's probabilities kept)."""
+        a, moe = self.algorithm, self.moe
         if moe is not None and moe.replay:
             if "routes" not in micro:
                 raise RuntimeError("a training micro-batch arrived without routes under dsrl.model.routing_replay = "
@@ -56,7 +76,13 @@ class PolicyLoss:
         with moe.routing.router_probs() if load is not None else contextlib.nullcontext() as probs:
             tok = forward_logprobs(engine, micro, temperature=self.temperature, entropy=True,
                                    entropy_grad=a.entropy_coef > 0)
-        logp = tok.logprobs
+        return PolicyOutput(tok.logprobs, tok.entropy, probs)
+
+    def token_loss(self, out: PolicyOutput, micro: dict[str, Any],
+                   load: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-token loss ``[b, t]`` of :meth:`forward`'s output and its per-token metrics (class docstring)."""
+        a, algo, moe = self.algorithm, self.algo, self.moe
+        logp = out.logprobs
         if algo.ratio_level == "sequence":
             index = sequence_index(micro["loss_mask"], micro["position_ids"])
             loss, m = sequence_clipped_policy_loss(logp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"],
@@ -72,14 +98,15 @@ class PolicyLoss:
             metrics["kl"] = kl.detach()
             if a.kl_in == "loss":
                 loss = loss + a.kl_coef * kl
-        ent = tok.entropy
+        ent = out.entropy
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * ent
         metrics["entropy"] = ent.detach()
         if load is not None:  # a_t of dsrl.algos.router_balance, aggregated like every per-token term
             from dsrl.algos.router_balance import balance_per_token
 
-            aux = balance_per_token(probs, load, loss.shape).to(loss.dtype)
+            assert moe is not None and out.router_probs is not None
+            aux = balance_per_token(out.router_probs, load, loss.shape).to(loss.dtype)
             loss = loss + moe.aux_coef * aux
             metrics["router_aux_loss"] = aux.detach()
         return loss, metrics

@@ -3,6 +3,6 @@ calls), loading the run's reward and accuracy functions (:mod:`.functions`), the
 (:mod:`.model`), and scoring (:mod:`.scoring`): the one reward formula of single completions and multi-turn
 trajectories alike.
 
-May import: config, core, backends.deepspeed, rollout, runtime, tasks, and the rooms :mod:`dsrl.rl.data` and
-:mod:`dsrl.rl.policy`.
+May import: config, core (the policy's engine as :class:`dsrl.core.engine.TrainEngine`), rollout, runtime, tasks, and
+the rooms :mod:`dsrl.rl.data` and :mod:`dsrl.rl.policy`.
 """

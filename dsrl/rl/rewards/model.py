@@ -5,10 +5,10 @@ Invariants kept by :class:`RewardModel`:
 - a sample's score is the classification head's output at its *last valid token* (the last token of
   prompt + completion: eos when the completion emitted it), read from the head's per-position output
   with a forward hook, so it never depends on the model's pad-token convention or on padding;
-- the model is frozen and placed like the policy (:func:`dsrl.backends.deepspeed.frozen.frozen_engine`): under ZeRO-3
-  an optimizer-less engine sharded over the ranks; scoring is then collective, and every rank runs the
-  same number of forwards whatever number of sequences it scores (filler forwards,
-  :func:`dsrl.backends.deepspeed.frozen.equal_forwards`) -- with dynamic sampling, ranks score different prompt counts;
+- the model is frozen and placed like the policy by the policy's engine (:meth:`dsrl.core.engine.TrainEngine.frozen`;
+  DeepSpeed under ZeRO-3: an optimizer-less engine sharded over the ranks); scoring is then collective, and every
+  rank runs the same number of forwards whatever number of sequences it scores (filler forwards of a one-token
+  sequence, counted in ``filler_forwards``) -- with dynamic sampling, ranks score different prompt counts;
 - no download: the directory is read with ``local_files_only``; it must share the policy's tokenizer
   (its vocabulary covers every token id the policy can emit).
 
@@ -18,31 +18,29 @@ The reward of a sample is ``data.reward_model_weight * score + data.rule_reward_
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsrl.backends.deepspeed.frozen import equal_forwards, frozen_engine
 from dsrl.config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from dsrl.backends.deepspeed.engine import RLEngine
+    from dsrl.core.engine import FrozenPasses, TrainEngine
 
 
 class RewardModel:
     """Scores token sequences with a sequence-classification model (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, head: torch.nn.Module, pad_id: int, micro_batch_size: int,
-                 device: torch.device, offload: Callable[[Any], Any] | None = None):
-        """``offload``: with ``dsrl.memory.offload_states``, makes the placed model's
-        :class:`dsrl.backends.deepspeed.offload.FrozenWeights` (the weights leave the device between scoring passes)."""
-        self.model, self.pad_id, self.micro_batch_size, self.device = model, pad_id, micro_batch_size, device
-        self.offload = offload(model) if offload is not None else None
+    def __init__(self, frozen: FrozenPasses, head: torch.nn.Module, pad_id: int, micro_batch_size: int,
+                 device: torch.device):
+        """``frozen``: the model as the policy's engine placed it (:meth:`dsrl.core.engine.TrainEngine.frozen`, with
+        its weights' offload between scoring passes under ``dsrl.memory.offload_states``); ``head`` its score
+        head, whose per-position output a forward hook reads."""
+        self.frozen, self.pad_id, self.micro_batch_size, self.device = frozen, pad_id, micro_batch_size, device
         self._per_position: torch.Tensor | None = None
         head.register_forward_hook(self._capture)
         self.filler_forwards = 0  # forwards this rank ran only to match other ranks' counts (ZeRO-3)
@@ -51,9 +49,10 @@ class RewardModel:
         self._per_position = output
 
     @classmethod
-    def load(cls, path: str, tokenizer: PreTrainedTokenizerBase, rl: RLEngine, *, on_gpu: bool,
+    def load(cls, path: str, tokenizer: PreTrainedTokenizerBase, rl: TrainEngine, *, on_gpu: bool,
              micro_batch_size: int, offload: Callable[[Any], Any] | None = None) -> RewardModel:
-        """Load ``path`` (``dsrl.data.reward_model``) and place it like the policy engine ``rl``."""
+        """Load ``path`` (``dsrl.data.reward_model``) and place it like the policy engine ``rl`` (``offload``: with
+        ``dsrl.memory.offload_states``, makes the placed model's weights' offload; :meth:`TrainEngine.frozen`)."""
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
         from dsrl.rl.policy.model import resolve_dtype
@@ -79,8 +78,7 @@ class RewardModel:
             raise ConfigError(f"{field} = {path!r} is a {type(model).__name__} without a 'score' head; dsrl reads the "
                               "score of causal-LM sequence classifiers (Llama, Qwen2, Mistral, ... "
                               "ForSequenceClassification).")
-        return cls(frozen_engine(model, rl, rl.device), head, tokenizer.pad_token_id, micro_batch_size, rl.device,
-                   offload)
+        return cls(rl.frozen(model, offload), head, tokenizer.pad_token_id, micro_batch_size, rl.device)
 
     def _forward(self, model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], use_cache=False)
@@ -108,9 +106,9 @@ class RewardModel:
         micros = [self._collate(sequences[i:i + self.micro_batch_size])
                   for i in range(0, len(sequences), self.micro_batch_size)]
         filler = self._collate([[self.pad_id]])
-        with self.offload.for_pass() if self.offload is not None else contextlib.nullcontext():
-            outs, fillers = equal_forwards(self.model, micros, self._forward, filler, self.device)
-        self.filler_forwards += fillers
+        before = self.frozen.filler_forwards
+        outs = self.frozen.forward_no_grad(micros, self._forward, filler)
+        self.filler_forwards += self.frozen.filler_forwards - before
         return [float(x) for out in outs for x in out.tolist()]
 
 

@@ -45,7 +45,7 @@ from dsrl.core.errors import RunError
 from dsrl.core.plan import BatchPlan
 from dsrl.core.routes import MoELayout
 from dsrl.core.seeds import derived_seed
-from dsrl.rl.critic import Critic, NoCritic, build_critic, prepare_critic
+from dsrl.rl.critic import Critic, NoCritic
 from dsrl.rl.data.evalset import EvalPrompts, prompts_per_call
 from dsrl.rl.data.prompts import PromptSource, describe_rendering
 from dsrl.rl.disagg.roles import Role
@@ -58,6 +58,7 @@ from dsrl.rl.policy.rollout_side import RolloutSide, RolloutSideSettings
 from dsrl.rl.rewards.contract import RewardCaller
 from dsrl.rl.rewards.scoring import Scorer
 from dsrl.rl.run.checkpointer import Checkpointer
+from dsrl.rl.run.engines import build_critic, engine_builder, prepare_critic
 from dsrl.rl.run.state import RunState
 from dsrl.rl.run.stopping import StopPolicy
 from dsrl.rollout.base import RolloutBackend
@@ -198,8 +199,9 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
     phases = PhaseClock(get_accelerator(), checked.baseline_mib)
     memory = StateOffload(d.memory)  # training state and frozen models off the device between their phases
     algo = algos.resolve_algorithm(d.algorithm)
-    actor = PolicyActor.build(side.model, checked.spec, d.model, ActorSettings.of(d), algo,
-                              moe=checked.moe_layout is not None, phases=phases, memory=memory)
+    actor = PolicyActor.build(side.model, engine_builder(checked.spec), d.model, ActorSettings.of(d), algo,
+                              moe=checked.moe_layout is not None, phases=phases, frozen_offload=memory.frozen)
+    memory.add_engine(actor.engine)  # the policy's training state first (the critic's after the frozen models)
     plan = actor.engine.plan
     reward_model = None
     if d.data.reward_model:
