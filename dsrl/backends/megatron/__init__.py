@@ -13,7 +13,9 @@ only torch. Public names:
 - :func:`megatron_view` -- the :class:`dsrl.core.parallel.ParallelView` of a Megatron layout: the
   token-owning group and the DDP's real gradient factor, validated;
 - :func:`fused_output_layer` -- per-token log-probs (and entropy) of a ``GPTModel`` from its vocabulary-parallel
-  output layer fused into dsrl's tiled log-softmax, without logits.
+  output layer fused into dsrl's tiled log-softmax, without logits;
+- :mod:`.hf_weights` -- a ``GPTModel`` shaped like a Hugging Face Llama / Qwen2 / Qwen3, its weights loaded from the
+  HF ``state_dict`` per tensor-parallel shard and pipeline stage, and gathered back under HF names.
 
 See docs/megatron.md.
 

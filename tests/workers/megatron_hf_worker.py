@@ -1,0 +1,137 @@
+"""Worker of tests/distributed/test_megatron_hf.py: a megatron-core GPTModel built from a Hugging Face config, with
+the HF weights loaded through dsrl's map, computes the HF model's logits, and gathers back to the HF weights bit for
+bit, under tensor and pipeline parallelism (CPU, gloo, the test-only CUDA shim).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/workers/megatron_hf_worker.py --out r.json
+
+For each architecture (Llama untied with grouped-query attention, Qwen2 with q/k/v biases and a tied head, Qwen3
+with per-head q/k norms) and each layout (TP = 1 on every rank, TP = 2, PP = 2): the same random HF model on every
+rank (seeded), its weights loaded into this rank's shard, the GPTModel's logits (gathered over the vocabulary;
+with PP the last stage's, activations passed stage to stage by hand) against the HF forward in float32, and the
+gathered HF state dict against the original. Rank 0 writes one JSON row per case. ``--plant`` plants a bug in the
+map (k and v swapped in the fused qkv) so the test can show its check failing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "launch"))
+import megatron_cpu_shim  # noqa: E402
+
+megatron_cpu_shim.install()
+
+from dsrl.backends.megatron import hf_weights  # noqa: E402
+
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    import transformers
+
+    cls_cfg, cls_model = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
+    extra = {"tie_word_embeddings": kind == "qwen2"}
+    if kind == "qwen3":
+        extra["head_dim"] = 16
+    cfg = getattr(transformers, cls_cfg)(**SHAPE, **extra)
+    torch.manual_seed(7)
+    model = getattr(transformers, cls_model)(cfg).float().eval()
+    with torch.no_grad():  # norms away from 1, biases away from 0, so that a mapping error shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def run_case(kind: str, tp: int, pp: int, plant: bool) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(0)
+    hf = hf_model(kind)
+    cfg = hf_weights.gpt_config(hf.config, use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                                pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    gpt = hf_weights.build_gpt_model(hf.config, cfg, pre_process=first, post_process=last, parallel_output=False)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # as a tied model's safetensors hold it: the embedding only
+    if plant:
+        for i in range(hf.config.num_hidden_layers):
+            k, v = f"model.layers.{i}.self_attn.k_proj.weight", f"model.layers.{i}.self_attn.v_proj.weight"
+            state[k], state[v] = state[v], state[k]
+    hf_weights.load_hf_weights(gpt, hf.config, state, ps.get_tensor_model_parallel_rank(), tp)
+    gpt.eval()
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=gen)
+    positions = torch.arange(24).expand(2, 24)
+    with torch.no_grad():
+        want = hf(input_ids=tokens, use_cache=False).logits
+        got = _pipelined_forward(gpt, tokens, positions, first, last, pp)
+    error = float((got - want).abs().max()) if got is not None else None
+    gathered = hf_weights.gather_hf_weights(gpt, hf.config, ps.get_tensor_model_parallel_group() if tp > 1 else None)
+    original = hf.state_dict()
+    mismatched = sorted(n for n, t in gathered.items() if not torch.equal(t, original[n]))
+    stage_names = sorted(gathered)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"error": error, "mismatched": mismatched, "names": stage_names})
+    names = sorted({n for e in everyone for n in e["names"]})
+    expected = sorted(n for n in original if not (n == "lm_head.weight" and hf.config.tie_word_embeddings))
+    return {"arch": kind, "tp": tp, "pp": pp, "plant": plant,
+            "logit_error": max(e["error"] for e in everyone if e["error"] is not None),
+            "mismatched": sorted({m for e in everyone for m in e["mismatched"]}),
+            "missing_names": sorted(set(expected) - set(names)), "extra_names": sorted(set(names) - set(expected))}
+
+
+def _pipelined_forward(gpt, tokens, positions, first: bool, last: bool, pp: int):
+    """The full logits on the last stage (None elsewhere): each stage's output hidden states sent to the next."""
+    from megatron.core import parallel_state as ps
+
+    if pp == 1:
+        return gpt(input_ids=tokens, position_ids=positions, attention_mask=None)
+    shape = (tokens.shape[1], tokens.shape[0], gpt.config.hidden_size)  # [s, b, h]
+    if not first:
+        hidden = torch.empty(shape)
+        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        gpt.set_input_tensor(hidden)
+    out = gpt(input_ids=tokens, position_ids=positions, attention_mask=None)
+    if not last:
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plant", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rows = []
+    layouts = [(1, 1), (2, 1), (1, 2)] if not args.plant else [(2, 1)]
+    for kind in ("llama", "qwen2", "qwen3") if not args.plant else ("llama",):
+        for tp, pp in layouts:
+            rows.append(run_case(kind, tp, pp, args.plant))
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    from dsrl.runtime.process_exit import leave
+
+    main()
+    leave(0)  # no interpreter finalization beside gloo threads (dsrl/runtime/process_exit.py)
