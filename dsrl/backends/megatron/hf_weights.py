@@ -15,7 +15,8 @@ the HF forward, tests/distributed/test_megatron_hf.py):
 - :func:`gather_hf_weights` is its inverse over the tensor-parallel group: the full HF ``state_dict`` (HF names,
   HF layouts) from the shards, bit for bit what was loaded.
 
-Pipeline stages hold a contiguous range of layers (``layer_offset``); the HF layer index is the global one.
+Pipeline stages hold a contiguous range of layers (megatron-core's layer offset); the HF layer index is the global
+one.
 """
 
 from __future__ import annotations
@@ -121,18 +122,14 @@ def _split_qkv(fused: torch.Tensor, groups: int, q_rows: int, kv_rows: int) -> t
     return tuple(t.reshape(-1, *fused.shape[1:]) for t in parts)
 
 
-def _model_names(model: Any) -> tuple[list[str], int]:
-    """The model's weight names (bare: no DDP ``module.`` prefix) and its first layer's global index."""
+def _stage(model: Any) -> tuple[dict[str, torch.nn.Parameter], int]:
+    """The model's weights by name (bare: no DDP ``module.`` prefix) and its first layer's global index (a pipeline
+    stage holds layers ``offset ...``)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    names = [n for n, _ in _bare(model).named_parameters()]
-    return names, int(get_transformer_layer_offset(_bare(model).config))
-
-
-def _bare(model: Any) -> Any:
     while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "embedding"):
         model = model.module
-    return model
+    return dict(model.named_parameters()), int(get_transformer_layer_offset(model.config))
 
 
 class _Layout:
@@ -212,8 +209,8 @@ def load_hf_weights(model: Any, hf_config: Any, state: Mapping[str, torch.Tensor
     ``state``; any other missing HF weight, or an HF weight no model weight takes (on a model holding every layer),
     is an error naming it."""
     lay = _Layout(hf_config, tp_rank, tp_size)
-    names, offset = _model_names(model)
-    params = dict(_bare(model).named_parameters())
+    params, offset = _stage(model)
+    names = list(params)
     used: set[str] = set()
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     for mcore, hf_names in _pairs(names, offset, tied):
@@ -249,11 +246,10 @@ def gather_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> dict[
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     lay = _Layout(hf_config, rank, size)
-    names, offset = _model_names(model)
-    params = dict(_bare(model).named_parameters())
+    params, offset = _stage(model)
     out: dict[str, torch.Tensor] = {}
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    for mcore, hf_names in _pairs(names, offset, tied):
+    for mcore, hf_names in _pairs(list(params), offset, tied):
         if tied and mcore == "output_layer.weight":
             continue  # the last stage's copy of the embedding: the HF model has it once
         local = params[mcore].detach()

@@ -8,7 +8,8 @@ Invariants kept by :class:`RewardModel`:
 - the model is frozen and placed like the policy by the policy's engine (:meth:`dsrl.core.engine.TrainEngine.frozen`;
   DeepSpeed under ZeRO-3: an optimizer-less engine sharded over the ranks); scoring is then collective, and every
   rank runs the same number of forwards whatever number of sequences it scores (filler forwards of a one-token
-  sequence, counted in ``filler_forwards``) -- with dynamic sampling, ranks score different prompt counts;
+  sequence, counted by :meth:`RewardModel.take_filler_forwards`) -- with dynamic sampling, ranks score different
+  prompt counts;
 - no download: the directory is read with ``local_files_only``; it must share the policy's tokenizer
   (its vocabulary covers every token id the policy can emit).
 
@@ -43,7 +44,6 @@ class RewardModel:
         self.frozen, self.pad_id, self.micro_batch_size, self.device = frozen, pad_id, micro_batch_size, device
         self._per_position: torch.Tensor | None = None
         head.register_forward_hook(self._capture)
-        self.filler_forwards = 0  # forwards this rank ran only to match other ranks' counts (ZeRO-3)
 
     def _capture(self, module: Any, inputs: Any, output: torch.Tensor) -> None:
         self._per_position = output
@@ -106,10 +106,13 @@ class RewardModel:
         micros = [self._collate(sequences[i:i + self.micro_batch_size])
                   for i in range(0, len(sequences), self.micro_batch_size)]
         filler = self._collate([[self.pad_id]])
-        before = self.frozen.filler_forwards
         outs = self.frozen.forward_no_grad(micros, self._forward, filler)
-        self.filler_forwards += self.frozen.filler_forwards - before
         return [float(x) for out in outs for x in out.tolist()]
+
+    def take_filler_forwards(self) -> int:
+        """The forwards this rank ran only to match other ranks' counts (ZeRO-3) since the last call, and reset."""
+        fillers, self.frozen.filler_forwards = self.frozen.filler_forwards, 0
+        return fillers
 
 
 def save_tiny_reward_model(path: str, tokenizer: PreTrainedTokenizerBase, arch: str = "qwen2", seed: int = 0,

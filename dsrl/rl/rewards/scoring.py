@@ -72,9 +72,7 @@ class Scorer:
     def take_counts(self) -> tuple[int, int]:
         """(reward calls that ran out of time, reward-model filler forwards) since the last call, and reset."""
         timeouts = self.reward_fn.take_timeouts() if self.reward_fn is not None else 0
-        fillers = 0
-        if self.model is not None:
-            fillers, self.model.filler_forwards = self.model.filler_forwards, 0
+        fillers = self.model.take_filler_forwards() if self.model is not None else 0
         return timeouts, fillers
 
     def completions(self, indices: list[int], records: list[dict[str, Any]], completions: list[Completion], *,

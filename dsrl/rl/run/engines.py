@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from dsrl.rl.disagg.generator import GeneratorWorker
     from dsrl.rl.disagg.roles import Role
 
+
 def engine_builder(spec: EngineSpec) -> Callable[[torch.nn.Module], TrainEngine]:
     """``build(model)``: the policy's training engine of ``model``, from the run's checked :class:`EngineSpec`."""
     return functools.partial(initialize, config=spec)
