@@ -73,6 +73,13 @@ def test_the_deepspeed_engine_is_a_train_engine():
     assert protocol_gaps(FrozenModel, FrozenPasses) == []
 
 
+def test_the_megatron_engine_is_a_train_engine():
+    from dsrl.backends.megatron.engine import MegatronEngine, ReplicatedFrozen
+
+    assert protocol_gaps(MegatronEngine, TrainEngine) == []
+    assert protocol_gaps(ReplicatedFrozen, FrozenPasses) == []
+
+
 def test_the_conformance_check_names_what_a_class_lacks():
     class NoFrozen(RLEngine):
         frozen = None  # type: ignore[assignment]

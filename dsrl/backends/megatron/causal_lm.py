@@ -1,0 +1,124 @@
+"""A megatron-core ``GPTModel`` chunk with a Hugging Face causal LM's face, so that the application's forwards run on it
+unchanged (:class:`GPTCausalLM`).
+
+The application computes log-probs with :func:`dsrl.rl.policy.logprobs.forward_logprobs`: it calls a model as
+``model(input_ids=, attention_mask=, position_ids=, use_cache=False)``, finds its output head through
+``get_output_embeddings()`` and replaces that head's forward, for one call, by the tiled log-softmax of
+:mod:`dsrl.core.logprobs`. :class:`GPTCausalLM` gives a ``GPTModel`` (wrapped in megatron-core's DDP) that face:
+
+- its forward runs the wrapped chunk with the output layer passed through (the chunk returns its final hidden
+  states ``[b, s, H]``) and then calls :class:`VocabParallelHead` on them, whose weight is this tensor-parallel
+  rank's vocabulary shard (the embedding's, when the head is tied) and which is declared as that shard
+  (:func:`dsrl.core.logprobs.declare_vocab_shard`): the fused log-probs combine the shards over the tensor group
+  and all-reduce the hidden states' gradient, as Megatron's column-parallel output layer does;
+- on a pipeline stage without the output layer the forward returns the stage's output ``[s, b, H]`` for the next
+  stage (what Megatron's schedules send), and the head is None.
+
+Invariants: the rows are right-padded with positions ``0 .. s-1`` (dsrl's collate), so the causal mask alone is
+the attention mask and rotary positions are the sequence index; packed rows and prompt-shared rows (no
+``attention_mask``, or a 4-D one) are refused, as is sequence parallelism at the head (the hidden states would be
+split along the sequence). The head's own forward (the logits path) gathers the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dsrl.core.logprobs import VocabShard, declare_vocab_shard
+
+
+class VocabParallelHead(torch.nn.Module):
+    """The output head of a ``GPTModel`` as a module of its own: ``weight`` is this rank's vocabulary shard of the
+    output layer (the word embeddings' when tied), ``bias`` None; ``forward(hidden[b, s, H])`` gives the full
+    logits ``[b, s, V]``. Holds no parameters of its own (the model's are not registered twice)."""
+
+    def __init__(self, gpt: Any):
+        super().__init__()
+        object.__setattr__(self, "_gpt", gpt)  # not a submodule: the model's parameters stay listed once
+        self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        gpt = self._gpt
+        if gpt.share_embeddings_and_output_weights:
+            return gpt.shared_embedding_or_output_weight()
+        return gpt.output_layer.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_tensor_model_parallel_region,
+        )
+
+        group = self._gpt.output_layer.tp_group
+        local = torch.nn.functional.linear(copy_to_tensor_model_parallel_region(hidden, group=group), self.weight)
+        return gather_from_tensor_model_parallel_region(local, group=group) if group.size() > 1 else local
+
+
+class GPTCausalLM(torch.nn.Module):
+    """``chunk`` (a ``GPTModel`` wrapped in megatron-core's DDP) as a Hugging Face causal LM (module docstring).
+    ``config`` is the HF model's config (the fused log-probs read its logit post-processing fields)."""
+
+    def __init__(self, chunk: Any, config: Any):
+        super().__init__()
+        from megatron.core.utils import unwrap_model
+
+        self.chunk = chunk
+        self.config = config
+        gpt = unwrap_model(chunk)
+        object.__setattr__(self, "gpt", gpt)
+        if gpt.post_process and gpt.output_layer.sequence_parallel:
+            raise ValueError("dsrl.engine sequence_parallel = true splits the hidden states along the sequence before "
+                             "the output head, where dsrl's fused log-probs need every position. Fix: set "
+                             "sequence_parallel to false.")
+        head = VocabParallelHead(gpt) if gpt.post_process else None
+        object.__setattr__(self, "head", head)
+        if head is not None:
+            group = gpt.output_layer.tp_group
+            rows = gpt.output_layer.output_size_per_partition
+            declare_vocab_shard(head, VocabShard(group if group.size() > 1 else None, group.rank() * rows, rows))
+
+    @property
+    def post_process(self) -> bool:
+        """Whether this pipeline stage holds the output head (the last stage)."""
+        return bool(self.gpt.post_process)
+
+    def get_output_embeddings(self) -> VocabParallelHead | None:
+        return self.head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, use_cache: bool = False) -> torch.Tensor:
+        """The head's output ``[b, s, ...]`` (logits, or what the fused log-probs put in their place) on the last
+        stage; the stage's output hidden states ``[s, b, H]`` on an earlier one."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            raise ValueError("the Megatron engine runs right-padded rows with a [b, s] attention_mask; packed rows "
+                             "and prompt-shared rows are not supported on it. Fix: set dsrl.model.packing = false "
+                             "and dsrl.model.share_prompts = false.")
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if self.head is None:
+            return self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+        with _output_layer_passed_through(self.gpt):
+            hidden = self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+        return self.head(hidden)
+
+
+@contextlib.contextmanager
+def _output_layer_passed_through(gpt: Any) -> Iterator[None]:
+    """Inside the block the model's output layer returns its input unchanged, so the model returns its final hidden
+    states ``[b, s, H]`` in the place of its logits (``GPTModel`` transposes them, called without labels)."""
+    layer = gpt.output_layer
+    layer.forward = _identity
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def _identity(hidden: torch.Tensor, weight: torch.Tensor | None = None,
+              runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+    return hidden, None

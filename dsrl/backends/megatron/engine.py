@@ -1,0 +1,268 @@
+"""megatron-core as a :class:`dsrl.core.engine.TrainEngine`: :class:`MegatronEngine`, and :func:`build_engine`, which
+makes one of a Hugging Face causal LM.
+
+:class:`MegatronEngine` is :class:`dsrl.backends.megatron.step.MegatronRLStep` (the exact step, one
+``forward_backward_func`` call per mini-batch) with the rest of the protocol:
+
+- ``module`` is a :class:`dsrl.backends.megatron.causal_lm.GPTCausalLM`: the application's forwards (the fused
+  log-probs of ``dsrl.rl.policy.logprobs``, the losses' ``forward``) run on it as on a Hugging Face model;
+- ``train_mini_batch(micros, forward_fn, token_loss_fn)``: on the last pipeline stage ``forward_fn(module, micro)``
+  then ``token_loss_fn(output, micro)`` inside Megatron's schedule; an earlier stage runs the module's trunk and
+  sends its activations (the application's forward is a forward *through* the model, so it is the same model on
+  every stage);
+- ``forward_no_grad(micros, fn)``: ``fn(module, micro)`` without gradients; with pipeline parallelism through
+  Megatron's forward-only schedule, ``fn`` running on the last stage and its results broadcast to every stage, so
+  every rank returns the same list;
+- ``frozen(module)``: a frozen model (KL reference, reward model) is a full replica on every rank (placing it in
+  Megatron's layout is not built yet);
+- generation does not run on the engine's model: a rollout model receives its weights
+  (:func:`dsrl.backends.megatron.hf_weights.gather_hf_weights`); ``generation_scope`` says so.
+
+Not built yet (ARCHITECTURE §4 "(engine)"; issue 40): context parallelism and sequence parallelism here (the local
+layer spec has no context-parallel attention), the run file's ``dsrl.engine`` section and ``launch/train.py``
+choosing this engine, checkpoints through dist-checkpointing, and the ds_config's optimizer mapped onto Megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrl.backends.megatron.causal_lm import GPTCausalLM
+from dsrl.backends.megatron.deps import require_megatron
+from dsrl.backends.megatron.schedule import OPTIMIZER_STEPS, build_param_scheduler
+from dsrl.backends.megatron.step import PER_TOKEN, MegatronRLStep
+from dsrl.core.engine import ForwardFn, TokenLossFn
+from dsrl.core.plan import BatchPlan
+from dsrl.core.step import MicroBatch, StepResult
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """The parallel sizes of a Megatron engine (the run file's ``dsrl.engine`` section, issue 40)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    def refusals(self) -> list[str]:
+        """What this engine does not run yet, one sentence each (empty: it runs)."""
+        out = []
+        if self.context_parallel_size != 1:
+            out.append("context_parallel_size > 1: megatron-core's local layer spec (the one that runs without "
+                       "Transformer Engine) has no context-parallel attention. Fix: set context_parallel_size to 1.")
+        if self.expert_model_parallel_size != 1:
+            out.append("expert_model_parallel_size > 1: the Hugging Face weight map serves dense Llama / Qwen2 / "
+                       "Qwen3 models only. Fix: set expert_model_parallel_size to 1.")
+        if self.sequence_parallel:
+            out.append("sequence_parallel = true: dsrl's fused log-probs need every position's hidden state at the "
+                       "output head. Fix: set sequence_parallel to false.")
+        return out
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Megatron's optimizer (AdamW: decoupled weight decay) and the plan's LR schedule: ``warmup_steps`` and the
+    decay over the plan's optimizer steps down to ``min_lr`` (``decay_style`` of ``OptimizerParamScheduler``)."""
+
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_grad: float = 0.0
+    warmup_steps: int = 0
+    decay_style: str = "constant"
+    optimizer: str = "adam"
+    use_distributed_optimizer: bool = True  # on GPUs (megatron-core's takes CUDA tensors only)
+
+
+class ReplicatedFrozen:
+    """A frozen model beside the Megatron engine: a full replica on this rank (eval mode, no gradients), as a no-grad
+    pass runs it; nothing is sharded, so no rank runs filler forwards."""
+
+    def __init__(self, model: torch.nn.Module, offload: Any = None):
+        self.model, self.offload = model, offload
+        self.filler_forwards = 0
+
+    def forward_no_grad(self, micro_batches: Sequence[Any], fn: Callable[[Any, Any], Any],
+                        filler: Any = None) -> list[Any]:
+        with self.offload.for_pass() if self.offload is not None else contextlib.nullcontext(), torch.no_grad():
+            return [fn(self.model, micro) for micro in micro_batches]
+
+
+def _whole_loss(output: Any, micro: MicroBatch) -> Any:
+    """The token loss when the forward already is the whole loss (``token_loss_fn=None``)."""
+    return output
+
+
+class MegatronEngine(MegatronRLStep):
+    """The megatron-core :class:`dsrl.core.engine.TrainEngine` (module docstring). ``chunk``: the ``GPTModel`` wrapped
+    in megatron-core's DDP (built with ``calculate_per_token_loss=True``); ``hf_config``: the HF config it was made
+    from; ``plan``: the run's :class:`dsrl.core.plan.BatchPlan`."""
+
+    def __init__(self, chunk: Any, optimizer: Any, scheduler: Any, plan: BatchPlan, hf_config: Any, *,
+                 schedule_unit: str = OPTIMIZER_STEPS):
+        super().__init__(chunk, optimizer, scheduler, loss_agg=plan.loss_agg, convention=PER_TOKEN,
+                         schedule_unit=schedule_unit, mini_batch_size=plan.mini_batch_size,
+                         loss_agg_norm_length=plan.loss_agg_norm_length)
+        self.plan = plan
+        self._module = GPTCausalLM(chunk, hf_config)
+
+    # -- what the application's forwards see (dsrl.core.forwards.PolicyForwards) -------------------
+    @property
+    def module(self) -> GPTCausalLM:
+        return self._module
+
+    @property
+    def device(self) -> torch.device:
+        return self.collective_device
+
+    def generation_scope(self) -> contextlib.AbstractContextManager[None]:
+        raise RuntimeError("the Megatron engine's model does not generate: its weights go to a rollout model "
+                           "(dsrl.backends.megatron.hf_weights.gather_hf_weights, by Hugging Face name), which does.")
+
+    def no_grad_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Megatron's DDP keeps no per-forward hooks that a no-grad forward must avoid: nothing to scope."""
+        return contextlib.nullcontext()
+
+    # -- the step ---------------------------------------------------------------------------------
+    def train_mini_batch(self, micro_batches: Sequence[MicroBatch], loss_fn: ForwardFn,
+                         token_loss_fn: TokenLossFn | None = None) -> StepResult:
+        """One exact optimizer step (:meth:`MegatronRLStep.train_step`): ``loss_fn(module, micro)`` is the forward
+        on the last stage (the whole loss when ``token_loss_fn`` is None), earlier stages run the trunk."""
+        return self.train_step(micro_batches, self._stage_forward(loss_fn), token_loss_fn or _whole_loss)
+
+    def _stage_forward(self, fn: Callable[[Any, MicroBatch], Any]) -> Callable[[Any, MicroBatch], Any]:
+        module = self._module
+        if module.post_process:
+            return lambda chunk, micro: fn(module, micro)
+        return lambda chunk, micro: module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                                           position_ids=micro.get("position_ids"))
+
+    # -- no-grad passes (dsrl.core.forwards.NoGradPasses) -----------------------------------------
+    def forward_no_grad(self, micro_batches: Sequence[MicroBatch], fn: Callable[[Any, MicroBatch], Any]) -> list[Any]:
+        """``[fn(module, micro) for micro in micro_batches]`` without gradients, in eval mode, on every rank (module
+        docstring). Pipeline stages of one replica must be given the same micro-batches."""
+        micros = list(micro_batches)
+        if micros and self._template is None and "loss_mask" in micros[0]:
+            self.remember_template(micros[0])
+        with _eval(self.model), torch.no_grad():
+            if self.view.pipeline is None:
+                return [fn(self._module, micro) for micro in micros]
+            return self._pipelined_no_grad(micros, fn)
+
+    def _pipelined_no_grad(self, micros: list[MicroBatch], fn: Callable[[Any, MicroBatch], Any]) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        pipeline = self.view.pipeline
+        assert pipeline is not None
+        outs: list[Any] = []
+        if micros:
+            forward = self._stage_forward(fn)
+
+            def forward_step(data_iterator: Iterator[MicroBatch], chunk: Any) -> tuple[Any, None]:
+                return forward(chunk, next(data_iterator)), None  # no loss function: the last stage keeps the output
+
+            seq_length, mbs = self._shapes(micros)
+            outs = list(get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micros), model=self.model[0],
+                num_microbatches=len(micros), seq_length=seq_length, micro_batch_size=mbs, forward_only=True))
+        box = [outs if pipeline.is_last_stage else None]
+        dist.broadcast_object_list(box, src=pipeline.last_stage_global_rank, group=pipeline.group)
+        return list(box[0])
+
+    def frozen(self, module: torch.nn.Module, offload: Callable[[Any], Any] | None = None) -> ReplicatedFrozen:
+        """``module`` frozen and replicated on this rank's device (:class:`ReplicatedFrozen`)."""
+        module.eval()
+        module.requires_grad_(False)
+        placed = module.to(self.device)
+        return ReplicatedFrozen(placed, offload(placed) if offload is not None else None)
+
+
+@contextlib.contextmanager
+def _eval(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    modes = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    try:
+        yield
+    finally:
+        for c, mode in zip(chunks, modes):
+            c.train(mode)
+
+
+def initialize_parallel(layout: MegatronLayout, seed: int) -> None:
+    """megatron-core's parallel state for ``layout`` (torch.distributed initialised first) and its model-parallel
+    random generators, seeded."""
+    require_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    refused = layout.refusals()
+    if refused:
+        from dsrl.config import ConfigError
+
+        raise ConfigError("dsrl.engine (kind 'megatron'): " + " ".join(refused))
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+                                 context_parallel_size=layout.context_parallel_size,
+                                 expert_model_parallel_size=layout.expert_model_parallel_size)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: BatchPlan, layout: MegatronLayout,
+                 settings: OptimizerSettings, *, on_gpu: bool = False) -> MegatronEngine:
+    """A :class:`MegatronEngine` of the Hugging Face model ``hf_config`` / ``hf_state`` (its ``state_dict``, HF names;
+    this rank loads its tensor shard and pipeline stage), after :func:`initialize_parallel` with ``layout``: the
+    ``GPTModel`` of :mod:`dsrl.backends.megatron.hf_weights`, megatron-core's DDP and (distributed) optimizer, and the
+    schedule over the plan's optimizer steps."""
+    require_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from dsrl.backends.megatron import hf_weights
+
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    if hf_config.vocab_size % tp:
+        from dsrl.config import ConfigError
+
+        raise ConfigError(f"dsrl.engine tensor_model_parallel_size = {tp} does not divide the model's vocabulary "
+                          f"({hf_config.vocab_size} tokens). Fix: a tensor-parallel size that divides it.")
+    config = hf_weights.gpt_config(
+        hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        calculate_per_token_loss=True, use_cpu_initialization=not on_gpu, pipeline_dtype=torch.float32,
+        # pipeline stages exchange activations of each micro-batch's own shape (megatron-core refuses that with its
+        # all-gather MoE dispatcher, even for a dense model)
+        variable_seq_lengths=pp > 1, **({"moe_token_dispatcher_type": "alltoall"} if pp > 1 else {}))
+    gpt = hf_weights.build_gpt_model(hf_config, config, pre_process=ps.is_pipeline_first_stage(),
+                                     post_process=ps.is_pipeline_last_stage())
+    hf_weights.load_hf_weights(gpt, hf_config, hf_state, ps.get_tensor_model_parallel_rank(), tp)
+    if on_gpu:
+        gpt.cuda()
+    # megatron-core 0.16.1's distributed optimizer and its gradient clipping take CUDA tensors only: on the CPU the
+    # plain optimizer (every replica keeps the whole state) and no clipping
+    distributed = settings.use_distributed_optimizer and on_gpu
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), gpt)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer=settings.optimizer, lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
+        adam_beta1=settings.betas[0], adam_beta2=settings.betas[1], adam_eps=settings.eps,
+        clip_grad=settings.clip_grad if on_gpu else 0.0, use_distributed_optimizer=distributed), [ddp])
+    scheduler = build_param_scheduler(optimizer, total_optimizer_steps=plan.total_optimizer_steps,
+                                      max_lr=settings.lr, min_lr=settings.min_lr, warmup_steps=settings.warmup_steps,
+                                      decay_style=settings.decay_style, init_lr=settings.min_lr)
+    return MegatronEngine(ddp, optimizer, scheduler, plan, hf_config)
+
+
+__all__ = ["MegatronEngine", "MegatronLayout", "OptimizerSettings", "ReplicatedFrozen", "build_engine",
+           "initialize_parallel"]

@@ -1,0 +1,46 @@
+"""The Megatron engine (dsrl.backends.megatron.engine) built from a Hugging Face Llama (untied head) and Qwen2 (tied
+head): the application's fused log-probs run on it unchanged (float32 against the HF model's, every rank), and one
+exact step over an uneven split gives the float64 reference gradient of the mini-batch loss, read back in HF names,
+for token-mean and seq-mean-token-mean at TP = 2, PP = 2 and DP = 2 (a filler micro-batch) on two CPU ranks; the
+default optimizer steps keep the DP replicas equal (tests/workers/megatron_engine_worker.py). A planted head shard
+without its tensor group fails both checks (the extended tier)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import EXTENDED
+from test_megatron import torchrun
+
+pytest.importorskip("megatron.core")
+
+LOGPROB_TOL = 1e-5  # float32, megatron-core's local layers against transformers'
+GRAD_TOL = 1e-6  # float32 against the float64 reference, relative (ARCHITECTURE §2)
+
+
+def _run(tmp_path, *extra: str) -> list[dict]:
+    out = tmp_path / "rows.json"
+    torchrun("tests/workers/megatron_engine_worker.py", 2, ["--out", str(out), *extra])
+    return json.loads(out.read_text())
+
+
+def test_the_megatron_engine_runs_the_applications_forwards_and_steps_exactly(tmp_path):
+    rows = _run(tmp_path)
+    cases = [r for r in rows if "arch" in r]
+    assert {(r["arch"], r["tp"], r["pp"], r["dp"], r["mode"]) for r in cases} == {
+        (a, tp, pp, dp, m) for a in ("llama", "qwen2") for tp, pp, dp in ((2, 1, 1), (1, 2, 1), (1, 1, 2))
+        for m in ("token-mean", "seq-mean-token-mean")}
+    for r in cases:
+        assert r["logprob_error"] <= LOGPROB_TOL, r
+        assert r["grad_error"] <= GRAD_TOL and r["missing"] == [], r
+        assert r["optimizer_steps"] == 1 and r["schedule"] == 1 and r["is_train_engine"], r
+    (adam,) = [r for r in rows if r.get("case") == "distributed_adam"]
+    assert adam["applied"] == [True, True] and adam["schedule"] == 2, adam
+    assert adam["replicas_equal"] and adam["changed"] == adam["weights"], adam
+
+
+@EXTENDED
+def test_a_head_shard_without_its_tensor_group_fails_both_checks(tmp_path):
+    (r,) = _run(tmp_path, "--plant")
+    assert r["logprob_error"] > 1e-2 and r["grad_error"] > 1e-2, r

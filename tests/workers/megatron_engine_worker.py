@@ -1,0 +1,195 @@
+"""Worker of tests/distributed/test_megatron_engine.py: the Megatron engine (dsrl.backends.megatron.engine) built from a
+Hugging Face model runs the application's forwards and one exact optimizer step, at TP = 2, PP = 2 and DP = 2 on two
+CPU ranks (gloo, the test-only CUDA shim).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/workers/megatron_engine_worker.py --out r.json
+
+For each architecture (Llama, untied head; Qwen2, tied head) and layout, on the same random HF model on every rank:
+
+- ``forward_no_grad`` with dsrl's fused log-probs (``dsrl.rl.policy.logprobs.forward_logprobs``, unchanged) against
+  the HF model's own in float32, on every rank (pipeline stages get the last stage's);
+- ``train_mini_batch(micros, forward, token_loss)`` over an uneven split (1 + 3 + 4 sequences; at DP = 2 one
+  replica holds 1 + 3, the other 4, so it runs a filler) with plain SGD at lr = 2**20, so that the update read back
+  in HF names (``gather_hf_weights``) is -lr times the gradient: against the float64 reference gradient of the
+  mini-batch loss (``dsrl.cli.check.reference_gradient``), for token-mean and seq-mean-token-mean;
+- the step's counters and schedule (one applied step, the schedule at 1), and the TrainEngine protocol;
+- at DP = 2 with the default optimizer settings (Adam): two steps apply and the replicas agree bit for bit.
+
+``--plant`` declares the output head's vocabulary shard without its tensor group (each rank's shard alone): the
+TP = 2 rows must then fail both checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "launch"))
+import megatron_cpu_shim  # noqa: E402
+
+megatron_cpu_shim.install()
+
+from dsrl.backends.megatron import hf_weights  # noqa: E402
+from dsrl.backends.megatron.engine import MegatronLayout, OptimizerSettings, build_engine, initialize_parallel  # noqa: E402
+from dsrl.cli.check import LR, MAX_LEN, collate, make_sequences, reference_gradient  # noqa: E402
+from dsrl.core.engine import TrainEngine  # noqa: E402
+from dsrl.rl.policy.logprobs import forward_logprobs  # noqa: E402
+
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+N_SEQS = 8
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    import transformers
+
+    from dsrl.cli.check_objectives import VOCAB
+
+    cfg_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+    cfg = getattr(transformers, cfg_cls)(vocab_size=VOCAB, tie_word_embeddings=kind == "qwen2", **SHAPE)
+    torch.manual_seed(11)
+    model = getattr(transformers, model_cls)(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def micro(seqs: list[dict]) -> dict[str, torch.Tensor]:
+    """check.collate's micro-batch with what a causal LM's forward reads (right padding)."""
+    out = collate(seqs)
+    b, t = out["input_ids"].shape
+    lengths = torch.tensor([s["input_ids"].shape[0] for s in seqs])
+    out["attention_mask"] = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    out["position_ids"] = torch.arange(t).expand(b, t).contiguous()
+    return out
+
+
+def logprobs(model, mb: dict) -> torch.Tensor:
+    return forward_logprobs(model, mb).logprobs
+
+
+def advantage_loss(logp: torch.Tensor, mb: dict) -> torch.Tensor:
+    return -mb["advantages"].unsqueeze(-1).to(logp.dtype) * logp
+
+
+def run_case(kind: str, tp: int, pp: int, mode: str, plant: bool) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from dsrl import BatchPlan, load_config
+    from dsrl.core.logprobs import VocabShard, declare_vocab_shard
+
+    initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+    hf = hf_model(kind)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
+                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1,
+                                          "loss_agg": mode, "loss_agg_norm_length": MAX_LEN}, "run": {"rollouts": 1}}})
+    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
+    engine = build_engine(hf.config, state, plan, MegatronLayout(tp, pp),
+                          OptimizerSettings(lr=LR, optimizer="sgd", use_distributed_optimizer=False))
+    if plant and engine.module.head is not None:
+        head = engine.module.head
+        declare_vocab_shard(head, VocabShard(None, ps.get_tensor_model_parallel_rank() * head.weight.shape[0],
+                                             head.weight.shape[0]))
+    seqs = make_sequences(N_SEQS, seed=3)
+    parts = [[seqs[0:1], seqs[1:4]], [seqs[4:8]]] if ps.get_data_parallel_world_size() == 2 \
+        else [[seqs[0:1], seqs[1:4], seqs[4:8]]]
+    mine = [micro(p) for p in parts[ps.get_data_parallel_rank()]]
+    # no-grad pass: the engine's against the HF model's, float32
+    got = engine.forward_no_grad(mine, logprobs)
+    with torch.no_grad():
+        want = [logprobs(hf, mb) for mb in mine]
+    logprob_error = max(float((g - w).abs().max()) for g, w in zip(got, want))
+    # one exact step: -update / lr against the float64 gradient
+    before = {n: t.clone() for n, t in  # gather_hf_weights may return the parameters themselves
+              hf_weights.gather_hf_weights(engine.model[0], hf.config, ps.get_tensor_model_parallel_group()).items()}
+    res = engine.train_mini_batch(mine, logprobs, advantage_loss)
+    after = hf_weights.gather_hf_weights(engine.model[0], hf.config, ps.get_tensor_model_parallel_group())
+    grads = {n: (before[n].double() - after[n].double()) / LR for n in after}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, grads if ps.get_data_parallel_rank() == 0 and
+                           ps.get_tensor_model_parallel_rank() == 0 else {})
+    merged: dict = {}
+    for part in everyone:
+        merged.update(part)
+    ref = reference_gradient(hf, seqs, mode, MAX_LEN)
+    ref = {n.replace("_orig_mod.", ""): g for n, g in ref.items() if not (n == "lm_head.weight" and
+                                                                           hf.config.tie_word_embeddings)}
+    missing = sorted(set(ref) ^ set(merged))
+    num = sum(float(((merged[n] - ref[n]) ** 2).sum()) for n in ref if n in merged)
+    den = sum(float((ref[n] ** 2).sum()) for n in ref)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, logprob_error)
+    return {"arch": kind, "tp": tp, "pp": pp, "dp": ps.get_data_parallel_world_size(), "mode": mode, "plant": plant,
+            "logprob_error": max(errors), "grad_error": (num / den) ** 0.5, "missing": missing,
+            "optimizer_steps": engine.optimizer_steps, "schedule": engine.state_dict()["schedule"]["scheduler"]
+            ["num_steps"], "tokens": int(res["tokens"]), "is_train_engine": isinstance(engine, TrainEngine)}
+
+
+def run_distributed_adam() -> dict:
+    """DP = 2 with the default settings (Adam; megatron-core's distributed optimizer takes CUDA tensors only, so on
+    the CPU its plain optimizer): two steps apply, and both replicas hold the same weights after them."""
+    from megatron.core import parallel_state as ps
+
+    from dsrl import BatchPlan, load_config
+
+    initialize_parallel(MegatronLayout(), seed=0)
+    hf = hf_model("llama")
+    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
+                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1},
+                                "run": {"rollouts": 2}}})
+    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
+    engine = build_engine(hf.config, dict(hf.state_dict()), plan, MegatronLayout(), OptimizerSettings(lr=1e-3))
+    seqs = make_sequences(N_SEQS, seed=4)
+    parts = [[seqs[0:3]], [seqs[3:5], seqs[5:8]]]
+    mine = [micro(p) for p in parts[ps.get_data_parallel_rank()]]
+    start = {n: t.clone() for n, t in hf_weights.gather_hf_weights(engine.model[0], hf.config).items()}
+    results = [engine.train_mini_batch(mine, logprobs, advantage_loss) for _ in range(2)]
+    weights = hf_weights.gather_hf_weights(engine.model[0], hf.config)
+    replicas: list = [None] * dist.get_world_size()
+    dist.all_gather_object(replicas, {n: t.clone() for n, t in weights.items()})
+    return {"case": "distributed_adam", "applied": [bool(r["step_applied"]) for r in results],
+            "optimizer_class": type(engine.optimizer).__name__,
+            "replicas_equal": all(torch.equal(replicas[0][n], replicas[1][n]) for n in weights),
+            "changed": sum(not torch.equal(start[n], weights[n]) for n in weights), "weights": len(weights),
+            "schedule": engine.state_dict()["schedule"]["scheduler"]["num_steps"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plant", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rows = []
+    if args.plant:
+        cases = [("llama", 2, 1, "token-mean")]
+    else:
+        cases = [(kind, tp, pp, mode) for kind in ("llama", "qwen2") for tp, pp in ((2, 1), (1, 2), (1, 1))
+                 for mode in ("token-mean", "seq-mean-token-mean")]
+    for kind, tp, pp, mode in cases:
+        rows.append(run_case(kind, tp, pp, mode, args.plant))
+    if not args.plant:
+        rows.append(run_distributed_adam())
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    from dsrl.runtime.process_exit import leave
+
+    main()
+    leave(0)
