@@ -13,7 +13,9 @@ For each architecture (Llama, untied head; Qwen2, tied head) and layout, on the 
   in HF names (``gather_hf_weights``) is -lr times the gradient: against the float64 reference gradient of the
   mini-batch loss (``dsrl.cli.check.reference_gradient``), for token-mean and seq-mean-token-mean;
 - the step's counters and schedule (one applied step, the schedule at 1), and the TrainEngine protocol;
-- at DP = 2 with the default optimizer settings (Adam): two steps apply and the replicas agree bit for bit.
+- at DP = 2 with the default optimizer settings (Adam): two steps apply and the replicas agree bit for bit;
+- at TP = 2 and PP = 2, after an Adam step, the weights streamed by HF name into a Hugging Face replica on every rank
+  give the engine's log-probs (the behaviour policy's against the trainer's).
 
 ``--plant`` declares the output head's vocabulary shard without its tensor group (each rank's shard alone): the
 TP = 2 rows must then fail both checks.
@@ -165,6 +167,48 @@ def run_distributed_adam() -> dict:
             "schedule": engine.state_dict()["schedule"]["scheduler"]["num_steps"]}
 
 
+def run_weight_sync(tp: int, pp: int) -> dict:
+    """After an Adam step, the engine's weights streamed by HF name (``MegatronEngine.hf_weights``) into a Hugging Face
+    replica on every rank: the replica's log-probs (the behaviour policy's, as a rollout model computes them) against
+    the engine's own no-grad pass, float32."""
+    from megatron.core import parallel_state as ps
+
+    from dsrl import BatchPlan, load_config
+
+    initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+    hf = hf_model("qwen2" if pp > 1 else "llama")  # the tied head across stages, the untied one across TP
+    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
+                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1},
+                                "run": {"rollouts": 1}}})
+    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
+    state = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    engine = build_engine(hf.config, state, plan, MegatronLayout(tp, pp), OptimizerSettings(lr=1e-2))
+    seqs = make_sequences(N_SEQS, seed=5)
+    mine = [micro(seqs[:3]), micro(seqs[3:])]
+    engine.train_mini_batch(mine, logprobs, advantage_loss)
+    rollout = hf_model("qwen2" if pp > 1 else "llama")
+    own = dict(rollout.named_parameters())
+    received = []
+    with torch.no_grad():
+        for name, tensor in engine.hf_weights():
+            own[name].copy_(tensor)
+            received.append(name)
+    trained = engine.forward_no_grad(mine, logprobs)
+    with torch.no_grad():
+        behaviour = [logprobs(rollout, mb) for mb in mine]
+        untrained = [logprobs(hf, mb) for mb in mine]
+    error = max(float((a - b).abs().max()) for a, b in zip(trained, behaviour))
+    # what a sync that delivered nothing would leave: the check's power
+    step_effect = max(float((a - b).abs().max()) for a, b in zip(trained, untrained))
+    moved = max(float((own[n] - p).abs().max()) for n, p in hf.named_parameters())
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, (error, sorted(received) == sorted(own), len(received) == len(set(received)),
+                                    step_effect))
+    return {"case": "weight_sync", "tp": tp, "pp": pp, "logprob_error": max(e[0] for e in errors),
+            "every_weight_once": all(e[1] and e[2] for e in errors), "moved": moved,
+            "step_effect": min(e[3] for e in errors)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -182,6 +226,7 @@ def main() -> None:
         rows.append(run_case(kind, tp, pp, mode, args.plant))
     if not args.plant:
         rows.append(run_distributed_adam())
+        rows.extend(run_weight_sync(tp, pp) for tp, pp in ((2, 1), (1, 2)))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -15,8 +15,9 @@ makes one of a Hugging Face causal LM.
   every rank returns the same list;
 - ``frozen(module)``: a frozen model (KL reference, reward model) is a full replica on every rank (placing it in
   Megatron's layout is not built yet);
-- generation does not run on the engine's model: a rollout model receives its weights
-  (:func:`dsrl.backends.megatron.hf_weights.gather_hf_weights`); ``generation_scope`` says so.
+- generation does not run on the engine's model: a rollout model receives its weights, :meth:`MegatronEngine.
+  hf_weights` (every weight under its Hugging Face name, full, on every rank, one at a time); ``generation_scope``
+  says so.
 
 Not built yet (ARCHITECTURE §4 "(engine)"; issue 40): context parallelism and sequence parallelism here (the local
 layer spec has no context-parallel attention), the run file's ``dsrl.engine`` section and ``launch/train.py``
@@ -114,6 +115,7 @@ class MegatronEngine(MegatronRLStep):
                          schedule_unit=schedule_unit, mini_batch_size=plan.mini_batch_size,
                          loss_agg_norm_length=plan.loss_agg_norm_length)
         self.plan = plan
+        self.hf_config = hf_config
         self._module = GPTCausalLM(chunk, hf_config)
 
     # -- what the application's forwards see (dsrl.core.forwards.PolicyForwards) -------------------
@@ -127,7 +129,7 @@ class MegatronEngine(MegatronRLStep):
 
     def generation_scope(self) -> contextlib.AbstractContextManager[None]:
         raise RuntimeError("the Megatron engine's model does not generate: its weights go to a rollout model "
-                           "(dsrl.backends.megatron.hf_weights.gather_hf_weights, by Hugging Face name), which does.")
+                           "(MegatronEngine.hf_weights, by Hugging Face name), which does.")
 
     def no_grad_scope(self) -> contextlib.AbstractContextManager[None]:
         """Megatron's DDP keeps no per-forward hooks that a no-grad forward must avoid: nothing to scope."""
@@ -178,6 +180,38 @@ class MegatronEngine(MegatronRLStep):
         box = [outs if pipeline.is_last_stage else None]
         dist.broadcast_object_list(box, src=pipeline.last_stage_global_rank, group=pipeline.group)
         return list(box[0])
+
+    # -- weights for a rollout model ------------------------------------------------------------------
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight of the model as ``(Hugging Face name, full tensor)``, on every rank, one weight at a time
+        (:func:`dsrl.backends.megatron.hf_weights.iter_hf_weights`: gathered over the tensor group when reached),
+        the pipeline stages in order, each stage's weights broadcast to the others as they come: no rank holds more
+        than one full weight beside its shards. Collective: every rank consumes the iterator to its end. A tensor
+        may be a view of a parameter, valid until the next optimizer step (copy it to keep it)."""
+        from megatron.core import parallel_state as ps
+
+        from dsrl.backends.megatron.hf_weights import iter_hf_weights
+
+        tp_group = ps.get_tensor_model_parallel_group() if self.view.tensor_parallel_size > 1 else None
+        stage_weights = iter_hf_weights(self.model[0], self.hf_config, tp_group)
+        pipeline = self.view.pipeline
+        if pipeline is None:
+            yield from stage_weights
+            return
+        mine = ps.get_pipeline_model_parallel_rank()
+        for stage in range(pipeline.size):
+            src = dist.get_global_rank(pipeline.group, stage)
+            while True:
+                item = next(stage_weights, None) if stage == mine else None
+                header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+                dist.broadcast_object_list(header, src=src, group=pipeline.group)
+                if header[0] is None:
+                    break
+                name, shape, dtype = header[0]
+                tensor = item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype,
+                                                                                    device=self.device)
+                dist.broadcast(tensor, src=src, group=pipeline.group)
+                yield name, tensor
 
     def frozen(self, module: torch.nn.Module, offload: Callable[[Any], Any] | None = None) -> ReplicatedFrozen:
         """``module`` frozen and replicated on this rank's device (:class:`ReplicatedFrozen`)."""

@@ -240,14 +240,21 @@ def load_hf_weights(model: Any, hf_config: Any, state: Mapping[str, torch.Tensor
 
 def gather_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> dict[str, torch.Tensor]:
     """This pipeline stage's weights as HF names and layouts, full (gathered over the tensor-parallel group
-    ``tp_group``; None: one rank holds everything). Collective over ``tp_group``."""
+    ``tp_group``; None: one rank holds everything). Collective over ``tp_group``. A replicated weight is the
+    parameter itself (no copy)."""
+    return dict(iter_hf_weights(model, hf_config, tp_group))
+
+
+def iter_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`gather_hf_weights` one megatron-core weight at a time: ``(HF name, full tensor)``, each gathered over
+    the tensor-parallel group when it is reached (every rank of ``tp_group`` must consume the iterator to its end, in
+    step), so that at most one full weight is held beside the shards."""
     import torch.distributed as dist
 
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     lay = _Layout(hf_config, rank, size)
     params, offset = _stage(model)
-    out: dict[str, torch.Tensor] = {}
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     for mcore, hf_names in _pairs(list(params), offset, tied):
         if tied and mcore == "output_layer.weight":
@@ -259,9 +266,8 @@ def gather_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> dict[
             dist.all_gather(parts, local.contiguous(), group=tp_group)
         full = lay.unshard(mcore, parts)
         if mcore.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-            out.update(zip(hf_names, _split_qkv(full, lay.groups, lay.q_rows, lay.kv_rows)))
+            yield from zip(hf_names, _split_qkv(full, lay.groups, lay.q_rows, lay.kv_rows))
         elif mcore.endswith("linear_fc1.weight"):
-            out.update(zip(hf_names, full.chunk(2, dim=0)))
+            yield from zip(hf_names, full.chunk(2, dim=0))
         else:
-            out[hf_names[0]] = full
-    return out
+            yield hf_names[0], full
