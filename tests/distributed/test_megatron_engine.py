@@ -3,7 +3,9 @@ head): the application's fused log-probs run on it unchanged (float32 against th
 exact step over an uneven split gives the float64 reference gradient of the mini-batch loss, read back in HF names,
 for token-mean and seq-mean-token-mean at TP = 2, PP = 2 and DP = 2 (a filler micro-batch) on two CPU ranks; the
 default optimizer steps keep the DP replicas equal; after a step, the weights streamed by HF name into a Hugging Face
-replica give the trainer's log-probs at TP = 2 and PP = 2 (tests/workers/megatron_engine_worker.py). A planted head
+replica give the trainer's log-probs at TP = 2 and PP = 2; a run resumed from the engine's dist-checkpointing
+checkpoint makes the saving run's next step bit for bit at TP = 2, PP = 2 and DP = 2
+(tests/workers/megatron_engine_worker.py). A planted head
 shard without its tensor group fails both checks (the extended tier)."""
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def test_the_megatron_engine_runs_the_applications_forwards_and_steps_exactly(tm
     assert {(r["tp"], r["pp"]) for r in syncs} == {(2, 1), (1, 2)}
     for r in syncs:  # the rollout replica's log-probs are the trainer's; without the sync they would not be
         assert r["every_weight_once"] and r["logprob_error"] <= LOGPROB_TOL < 100 * LOGPROB_TOL < r["step_effect"], r
+    resumes = [r for r in rows if r.get("case") == "resume"]
+    assert {(r["tp"], r["pp"], r["dp"]) for r in resumes} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    for r in resumes:  # bit for bit through dist-checkpointing; a resume without dsrl's schedule state is caught
+        assert r["weights_equal"] and r["results_equal"] and r["planted_differs"] and r["optimizer_steps"] == 2, r
 
 
 @EXTENDED

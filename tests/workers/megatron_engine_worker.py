@@ -15,7 +15,9 @@ For each architecture (Llama, untied head; Qwen2, tied head) and layout, on the 
 - the step's counters and schedule (one applied step, the schedule at 1), and the TrainEngine protocol;
 - at DP = 2 with the default optimizer settings (Adam): two steps apply and the replicas agree bit for bit;
 - at TP = 2 and PP = 2, after an Adam step, the weights streamed by HF name into a Hugging Face replica on every rank
-  give the engine's log-probs (the behaviour policy's against the trainer's).
+  give the engine's log-probs (the behaviour policy's against the trainer's);
+- at TP = 2, PP = 2 and DP = 2, a run resumed from the engine's dist-checkpointing checkpoint makes bit for bit the
+  step the saving run made (a resume that drops dsrl's schedule state differs: the planted case).
 
 ``--plant`` declares the output head's vocabulary shard without its tensor group (each rank's shard alone): the
 TP = 2 rows must then fail both checks.
@@ -209,6 +211,53 @@ def run_weight_sync(tp: int, pp: int) -> dict:
             "step_effect": min(e[3] for e in errors)}
 
 
+def run_resume(tp: int, pp: int, directory: str) -> dict:
+    """Resume bit for bit through dist-checkpointing: an engine steps, saves, steps again; a fresh engine loads the
+    checkpoint and makes that second step: the same weights (bitwise, by HF name) and the same step result. Planted:
+    a third loads the checkpoint but keeps a fresh engine's schedule (the LR moves every step here), and differs."""
+    from megatron.core import parallel_state as ps
+
+    from dsrl import BatchPlan, load_config
+
+    initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+    hf = hf_model("qwen2" if pp > 1 else "llama")
+    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
+                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1},
+                                "run": {"rollouts": 3}}})
+    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
+    state = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    settings = OptimizerSettings(lr=1e-2, warmup_steps=1, decay_style="cosine")
+    seqs = make_sequences(N_SEQS, seed=6)
+    mine = [micro(seqs[:3]), micro(seqs[3:])] if ps.get_data_parallel_world_size() == 1 else \
+        [micro(seqs[:4] if ps.get_data_parallel_rank() == 0 else seqs[4:])]
+
+    def weights(engine) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in engine.hf_weights()}
+
+    first = build_engine(hf.config, state, plan, MegatronLayout(tp, pp), settings)
+    first.train_mini_batch(mine, logprobs, advantage_loss)
+    first.save_checkpoint(directory)
+    want = first.train_mini_batch(mine, logprobs, advantage_loss).to_dict()
+    want_weights = weights(first)
+    resumed = build_engine(hf.config, state, plan, MegatronLayout(tp, pp), settings)
+    resumed.load_checkpoint(directory)
+    got = resumed.train_mini_batch(mine, logprobs, advantage_loss).to_dict()
+    got_weights = weights(resumed)
+    planted = build_engine(hf.config, state, plan, MegatronLayout(tp, pp), settings)
+    fresh_step_state = planted.state_dict()
+    planted.load_checkpoint(directory)
+    planted.load_state_dict(fresh_step_state)  # the planted bug: the schedule and counters not restored
+    planted.train_mini_batch(mine, logprobs, advantage_loss)
+    planted_weights = weights(planted)
+    mine_row = (all(torch.equal(want_weights[n], got_weights[n]) for n in want_weights), want == got,
+                any(not torch.equal(want_weights[n], planted_weights[n]) for n in want_weights))
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine_row)
+    return {"case": "resume", "tp": tp, "pp": pp, "dp": ps.get_data_parallel_world_size(),
+            "weights_equal": all(r[0] for r in rows), "results_equal": all(r[1] for r in rows),
+            "planted_differs": all(r[2] for r in rows), "optimizer_steps": resumed.optimizer_steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -227,6 +276,8 @@ def main() -> None:
     if not args.plant:
         rows.append(run_distributed_adam())
         rows.extend(run_weight_sync(tp, pp) for tp, pp in ((2, 1), (1, 2)))
+        rows.extend(run_resume(tp, pp, os.path.join(os.path.dirname(args.out), f"checkpoint-tp{tp}-pp{pp}"))
+                    for tp, pp in ((2, 1), (1, 2), (1, 1)))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -27,6 +27,7 @@ choosing this engine, checkpoints through dist-checkpointing, and the ds_config'
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -180,6 +181,30 @@ class MegatronEngine(MegatronRLStep):
         box = [outs if pipeline.is_last_stage else None]
         dist.broadcast_object_list(box, src=pipeline.last_stage_global_rank, group=pipeline.group)
         return list(box[0])
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> None:
+        """The model, the optimizer and dsrl's step state (the schedule, the counters) to ``directory`` through
+        megatron-core's dist-checkpointing (each rank writes its shards; collective over every rank)."""
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(directory, exist_ok=True)
+        dist_checkpointing.save(self._sharded_state(loading=False) | {"dsrl": self.state_dict()}, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote, exactly: the next step is the one the saving run would have
+        made (collective over every rank)."""
+        from megatron.core import dist_checkpointing
+
+        sharded = self._sharded_state(loading=True)
+        state = dist_checkpointing.load(sharded | {"dsrl": None}, directory)
+        self.model[0].module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_state_dict(state["dsrl"])
+
+    def _sharded_state(self, loading: bool) -> dict[str, Any]:
+        model = self.model[0].module.sharded_state_dict()
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
 
     # -- weights for a rollout model ------------------------------------------------------------------
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
