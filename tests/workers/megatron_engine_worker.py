@@ -16,8 +16,11 @@ For each architecture (Llama, untied head; Qwen2, tied head) and layout, on the 
 - at DP = 2 with the default optimizer settings (Adam): two steps apply and the replicas agree bit for bit;
 - at TP = 2 and PP = 2, after an Adam step, the weights streamed by HF name into a Hugging Face replica on every rank
   give the engine's log-probs (the behaviour policy's against the trainer's);
+- at TP = 2 and PP = 2, the application's PolicyActor on the engine with a KL reference: old and reference log-probs
+  against the HF model's, and an on-policy GRPO step;
 - at TP = 2, PP = 2 and DP = 2, a run resumed from the engine's dist-checkpointing checkpoint makes bit for bit the
-  step the saving run made (a resume that drops dsrl's schedule state differs: the planted case).
+  step the saving run made, and no process the save started is left running (a resume that drops dsrl's schedule
+  state differs: the planted case).
 
 ``--plant`` declares the output head's vocabulary shard without its tensor group (each rank's shard alone): the
 TP = 2 rows must then fail both checks.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 
@@ -237,6 +241,7 @@ def run_resume(tp: int, pp: int, directory: str) -> dict:
     first = build_engine(hf.config, state, plan, MegatronLayout(tp, pp), settings)
     first.train_mini_batch(mine, logprobs, advantage_loss)
     first.save_checkpoint(directory)
+    leftover = len(multiprocessing.active_children())  # the checkpoint writer's helper process is stopped
     want = first.train_mini_batch(mine, logprobs, advantage_loss).to_dict()
     want_weights = weights(first)
     resumed = build_engine(hf.config, state, plan, MegatronLayout(tp, pp), settings)
@@ -249,7 +254,7 @@ def run_resume(tp: int, pp: int, directory: str) -> dict:
     planted.load_state_dict(fresh_step_state)  # the planted bug: the schedule and counters not restored
     planted.train_mini_batch(mine, logprobs, advantage_loss)
     planted_weights = weights(planted)
-    mine_row = (all(torch.equal(want_weights[n], got_weights[n]) for n in want_weights), want == got,
+    mine_row = (leftover == 0 and all(torch.equal(want_weights[n], got_weights[n]) for n in want_weights), want == got,
                 any(not torch.equal(want_weights[n], planted_weights[n]) for n in want_weights))
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, mine_row)
@@ -258,24 +263,83 @@ def run_resume(tp: int, pp: int, directory: str) -> dict:
             "planted_differs": all(r[2] for r in rows), "optimizer_steps": resumed.optimizer_steps}
 
 
+def run_actor(tp: int, pp: int) -> dict:
+    """The application's policy actor (``dsrl.rl.policy.actor.PolicyActor``, unchanged: it knows only the
+    TrainEngine protocol) on the Megatron engine, with a KL reference (a frozen copy the engine places): its old and
+    reference log-probs of a rollout's samples against the Hugging Face model's, and one GRPO step with its
+    PolicyLoss (on-policy: no token clipped, the KL zero)."""
+    import random
+
+    from megatron.core import parallel_state as ps
+
+    from dsrl import BatchPlan, algos, load_config
+    from dsrl.rl.data.batching import Sample
+    from dsrl.rl.data.batching import collate as collate_samples
+    from dsrl.rl.policy.actor import ActorSettings, PolicyActor
+    from dsrl.runtime.phases import PhaseClock
+
+    initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+    hf = hf_model("llama")
+    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
+                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 4},
+                                "algorithm": {"kl_coef": 0.05}, "rollout": {"logprob_micro_batch_size": 3},
+                                "run": {"rollouts": 1}}})
+    d = cfg.dsrl
+    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
+    layout = MegatronLayout(tp, pp)
+    actor = PolicyActor.build(hf_model("llama"), lambda m: build_engine(m.config, m.state_dict(), plan, layout,
+                                                                        OptimizerSettings(lr=1e-3)),
+                              d.model, ActorSettings.of(d), algos.resolve_algorithm(d.algorithm), moe=False,
+                              phases=PhaseClock())
+    rng = random.Random(9)
+    samples = []
+    for i in range(N_SEQS):
+        prompt = [rng.randrange(1, 32) for _ in range(rng.randrange(2, 6))]
+        completion = [rng.randrange(1, 32) for _ in range(rng.randrange(1, 8))]
+        samples.append(Sample(tokens=prompt + completion, prompt_len=len(prompt), group=i // 4, reward=float(i % 2),
+                              advantage=1.0 if i % 2 else -1.0))
+    batches = actor.pass_batches(samples, pad_id=0)
+    actor.add_logprobs(batches, kl_in_reward=False)
+    worst = {"old": 0.0, "ref": 0.0}
+    with torch.no_grad():
+        for s in samples:
+            mb = collate_samples([s], pad_id=0)
+            want = logprobs(hf, mb)[0, s.prompt_len - 1:len(s.tokens) - 1]
+            worst["old"] = max(worst["old"], float((torch.tensor(s.old_logprobs) - want).abs().max()))
+            worst["ref"] = max(worst["ref"], float((torch.tensor(s.ref_logprobs) - want).abs().max()))
+    micros = [collate_samples(samples[:4], pad_id=0), collate_samples(samples[4:], pad_id=0)]
+    res = actor.train_mini_batch(micros)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, worst)
+    return {"case": "actor", "tp": tp, "pp": pp, "old_error": max(e["old"] for e in errors),
+            "ref_error": max(e["ref"] for e in errors), "applied": bool(res["step_applied"]),
+            "loss": float(res["loss"]), "kl": float(res["kl"]),
+            "clipped": float(res["clip_low_frac"]) + float(res["clip_high_frac"])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--plant", action="store_true")
+    ap.add_argument("--suite", choices=("step", "around"), default="step",
+                    help="step: the forwards and the exact step; around: DP replicas, weight sync, actor, resume")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rows = []
     if args.plant:
         cases = [("llama", 2, 1, "token-mean")]
-    else:
+    elif args.suite == "step":
         cases = [(kind, tp, pp, mode) for kind in ("llama", "qwen2") for tp, pp in ((2, 1), (1, 2), (1, 1))
                  for mode in ("token-mean", "seq-mean-token-mean")]
+    else:
+        cases = []
     for kind, tp, pp, mode in cases:
         rows.append(run_case(kind, tp, pp, mode, args.plant))
-    if not args.plant:
+    if args.suite == "around" and not args.plant:
         rows.append(run_distributed_adam())
         rows.extend(run_weight_sync(tp, pp) for tp, pp in ((2, 1), (1, 2)))
+        rows.extend(run_actor(tp, pp) for tp, pp in ((2, 1), (1, 2)))
         rows.extend(run_resume(tp, pp, os.path.join(os.path.dirname(args.out), f"checkpoint-tp{tp}-pp{pp}"))
                     for tp, pp in ((2, 1), (1, 2), (1, 1)))
     if dist.get_rank() == 0:

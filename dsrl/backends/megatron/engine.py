@@ -189,7 +189,10 @@ class MegatronEngine(MegatronRLStep):
         from megatron.core import dist_checkpointing
 
         os.makedirs(directory, exist_ok=True)
-        dist_checkpointing.save(self._sharded_state(loading=False) | {"dsrl": self.state_dict()}, directory)
+        try:
+            dist_checkpointing.save(self._sharded_state(loading=False) | {"dsrl": self.state_dict()}, directory)
+        finally:
+            _stop_checkpoint_writer_queue()
 
     def load_checkpoint(self, directory: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote, exactly: the next step is the one the saving run would have
@@ -244,6 +247,21 @@ class MegatronEngine(MegatronRLStep):
         module.requires_grad_(False)
         placed = module.to(self.device)
         return ReplicatedFrozen(placed, offload(placed) if offload is not None else None)
+
+
+def _stop_checkpoint_writer_queue() -> None:
+    """Shut down the process megatron-core's checkpoint writer started for its results queue.
+
+    ``FileSystemWriterAsync`` (megatron-core 0.16.1) keeps a queue of a ``multiprocessing`` Manager, a spawned process
+    (~400 MB), in a module global for the life of the interpreter; only interpreter finalization would stop it, and a
+    dsrl rank ends without it (:func:`dsrl.runtime.process_exit.leave`). Left running it outlives the rank and holds
+    the launcher's output pipes open. Stopped after each save, the next save starts a new one."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        filesystem_async._results_queue = None
+        queue._manager.shutdown()
 
 
 @contextlib.contextmanager
