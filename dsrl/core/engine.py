@@ -2,7 +2,8 @@
 
 An engine holds one trained model (the policy, or the critic) with its optimizer and LR schedule, and runs the
 exact step of :class:`dsrl.core.step.StepCore` on it. DeepSpeed's :class:`dsrl.backends.deepspeed.engine.RLEngine`
-implements it; the application (``dsrl.rl``) is written against this protocol, so the composition root alone
+and megatron-core's :class:`dsrl.backends.megatron.engine.MegatronEngine` implement it; the application
+(``dsrl.rl``) is written against this protocol, so the composition root alone
 chooses the framework (ARCHITECTURE §4, "(engine)").
 
 A training micro-batch's loss comes in two parts, so that an engine whose schedule owns the forward (Megatron's
@@ -16,9 +17,11 @@ the same loss as one that does not:
 Given only ``forward_fn`` (``token_loss_fn=None``), ``forward_fn`` is the whole loss: ``loss_fn(model, micro)`` of
 ARCHITECTURE §5's public ``train_mini_batch(micro_batches, loss_fn)``.
 
-Not yet in the protocol (the Megatron engine adds them with their DeepSpeed implementations): the weights of a
-sync by name in buckets, checkpoint save/load and offload/reload; today they are reached through the DeepSpeed
-modules that own them (:mod:`dsrl.checkpoint.engines`, :mod:`dsrl.backends.deepspeed.offload`).
+Not yet in the protocol: the weights of a sync by name, checkpoint save/load and offload/reload. The Megatron engine
+has the first two (:meth:`dsrl.backends.megatron.engine.MegatronEngine.hf_weights`, ``save_checkpoint`` /
+``load_checkpoint``); DeepSpeed's are reached through the modules that own them (the rollout backends,
+:mod:`dsrl.checkpoint.engines`, :mod:`dsrl.backends.deepspeed.offload`). They join the protocol when the composition
+root builds either engine for ``launch/train.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,11 @@ only torch. Public names:
 - :func:`fused_output_layer` -- per-token log-probs (and entropy) of a ``GPTModel`` from its vocabulary-parallel
   output layer fused into dsrl's tiled log-softmax, without logits;
 - :mod:`.hf_weights` -- a ``GPTModel`` shaped like a Hugging Face Llama / Qwen2 / Qwen3, its weights loaded from the
-  HF ``state_dict`` per tensor-parallel shard and pipeline stage, and gathered back under HF names.
+  HF ``state_dict`` per tensor-parallel shard and pipeline stage, and gathered back under HF names;
+- :mod:`.engine` -- :class:`~dsrl.backends.megatron.engine.MegatronEngine`, megatron-core as dsrl's
+  :class:`dsrl.core.engine.TrainEngine` (the application's forwards and steps, weights by HF name for a rollout
+  model, dist-checkpointing), built from a Hugging Face model by ``build_engine`` (imported on its own: it needs
+  megatron-core).
 
 See docs/megatron.md.
 
