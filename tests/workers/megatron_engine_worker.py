@@ -49,7 +49,7 @@ from dsrl.core.engine import TrainEngine  # noqa: E402
 from dsrl.rl.policy.logprobs import forward_logprobs  # noqa: E402
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=50000.0)
 N_SEQS = 8
 
 
@@ -317,12 +317,67 @@ def run_actor(tp: int, pp: int) -> dict:
             "clipped": float(res["clip_low_frac"]) + float(res["clip_high_frac"])}
 
 
+def _load_without_from_pretrained(hf_dir: str) -> torch.nn.Module:
+    """The model of ``hf_dir`` built from its config and its safetensors loaded by name. Not ``from_pretrained``: with
+    the CPU shim installed (its wrapper of ``torch.tensor``), transformers 5.25's ``from_pretrained`` leaves a Llama's
+    rotary ``inv_freq`` uninitialised, and the reference would be wrong."""
+    import safetensors.torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32).eval()
+    state = safetensors.torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [n for n in missing if n != "lm_head.weight"]:
+        raise RuntimeError(f"{hf_dir}: weights missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return model
+
+
+def run_real(hf_dir: str, tp: int, pp: int) -> dict:
+    """A pretrained model (the real-model tier's SmolLM2-135M-Instruct: 30 layers, a tied head) on the engine: its
+    log-probs against transformers', and one exact step against the float64 reference gradient (rank 0 computes it)."""
+    from megatron.core import parallel_state as ps
+
+    from dsrl import BatchPlan, load_config
+
+    initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+    hf = _load_without_from_pretrained(hf_dir)
+    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
+                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1},
+                                "run": {"rollouts": 1}}})
+    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
+    state = {k: v.clone() for k, v in hf.state_dict().items()
+             if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    engine = build_engine(hf.config, state, plan, MegatronLayout(tp, pp),
+                          OptimizerSettings(lr=LR, optimizer="sgd", use_distributed_optimizer=False))
+    seqs = make_sequences(N_SEQS, seed=3)
+    mine = [micro(seqs[0:3]), micro(seqs[3:8])]
+    got = engine.forward_no_grad(mine, logprobs)
+    with torch.no_grad():
+        want = [logprobs(hf, mb) for mb in mine]
+    logprob_error = max(float((g - w).abs().max()) for g, w in zip(got, want))
+    before = {n: t.clone() for n, t in engine.hf_weights()}
+    engine.train_mini_batch(mine, logprobs, advantage_loss)
+    after = dict(engine.hf_weights())
+    grad_error = None
+    if dist.get_rank() == 0:
+        ref = reference_gradient(hf, seqs, "token-mean", MAX_LEN)
+        ref = {n: g for n, g in ref.items() if not (n == "lm_head.weight" and hf.config.tie_word_embeddings)}
+        num = sum(float((((before[n].double() - after[n].double()) / LR - g) ** 2).sum()) for n, g in ref.items())
+        grad_error = (num / sum(float((g ** 2).sum()) for g in ref.values())) ** 0.5
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, logprob_error)
+    return {"case": "real", "tp": tp, "pp": pp, "layers": hf.config.num_hidden_layers,
+            "logprob_error": max(errors), "grad_error": grad_error}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--plant", action="store_true")
-    ap.add_argument("--suite", choices=("step", "around"), default="step",
-                    help="step: the forwards and the exact step; around: DP replicas, weight sync, actor, resume")
+    ap.add_argument("--suite", choices=("step", "around", "real"), default="step",
+                    help="step: the forwards and the exact step; around: DP replicas, weight sync, actor, resume; "
+                         "real: a pretrained model from --hf_dir at PP = 2")
+    ap.add_argument("--hf_dir", help="a Hugging Face model directory (--suite real)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -336,6 +391,8 @@ def main() -> None:
         cases = []
     for kind, tp, pp, mode in cases:
         rows.append(run_case(kind, tp, pp, mode, args.plant))
+    if args.suite == "real":
+        rows.append(run_real(args.hf_dir, 1, 2))
     if args.suite == "around" and not args.plant:
         rows.append(run_distributed_adam())
         rows.extend(run_weight_sync(tp, pp) for tp, pp in ((2, 1), (1, 2)))

@@ -30,7 +30,8 @@ megatron_cpu_shim.install()
 from dsrl.backends.megatron import hf_weights  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+             rope_theta=50000.0)  # not the default base: the map must read it
 
 
 def hf_model(kind: str) -> torch.nn.Module:

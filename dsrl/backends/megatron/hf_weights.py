@@ -82,7 +82,21 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, po
                     max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process, parallel_output=parallel_output,
                     share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
-                    position_embedding_type="rope", rotary_base=int(getattr(hf_config, "rope_theta", 10000)))
+                    position_embedding_type="rope", rotary_base=rope_theta(hf_config))
+
+
+def rope_theta(hf_config: Any) -> int:
+    """The rotary base of the HF model: ``rope_parameters["rope_theta"]`` (transformers 5), else the older top-level
+    ``rope_theta``. Rotary scaling (``rope_type`` other than ``default``: llama3, yarn, ...) is refused: the local
+    spec's rotary embedding has no such variant in this map."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", None):
+        raise ConfigError(f"dsrl.engine kind 'megatron': the model's config.json scales its rotary embedding "
+                          f"(rope_type = {kind!r}); dsrl's map builds plain rotary embeddings. Fix: use the DeepSpeed "
+                          "engine for this model.")
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    return int(theta if theta is not None else 10000)
 
 
 # -- the map -------------------------------------------------------------------------------------------
