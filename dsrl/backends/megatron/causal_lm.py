@@ -14,6 +14,9 @@ The application computes log-probs with :func:`dsrl.rl.policy.logprobs.forward_l
 - on a pipeline stage without the output layer the forward returns the stage's output ``[s, b, H]`` for the next
   stage (what Megatron's schedules send), and the head is None.
 
+A lookup of the HF config's ``pad_token_id`` passes no gradient to its embedding row, as the HF model's
+``nn.Embedding(padding_idx=...)`` does.
+
 Invariants: the rows are right-padded with positions ``0 .. s-1`` (dsrl's collate), so the causal mask alone is
 the attention mask and rotary positions are the sequence index; packed rows and prompt-shared rows (no
 ``attention_mask``, or a 4-D one) are refused, as is sequence parallelism at the head (the hidden states would be
@@ -75,6 +78,9 @@ class GPTCausalLM(torch.nn.Module):
             raise ValueError("dsrl.engine sequence_parallel = true splits the hidden states along the sequence before "
                              "the output head, where dsrl's fused log-probs need every position. Fix: set "
                              "sequence_parallel to false.")
+        pad = getattr(config, "pad_token_id", None)
+        if gpt.pre_process and pad is not None:
+            _padding_row_without_lookup_gradient(gpt.embedding.word_embeddings, int(pad))
         head = VocabParallelHead(gpt) if gpt.post_process else None
         object.__setattr__(self, "head", head)
         if head is not None:
@@ -105,6 +111,20 @@ class GPTCausalLM(torch.nn.Module):
         with _output_layer_passed_through(self.gpt):
             hidden = self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
         return self.head(hidden)
+
+
+def _padding_row_without_lookup_gradient(embedding: torch.nn.Module, pad_id: int) -> None:
+    """Make ``embedding`` (megatron-core's vocabulary-parallel word embedding) treat ``pad_id`` as a Hugging Face
+    ``nn.Embedding(padding_idx=pad_id)`` does: a lookup of it passes no gradient to its row (a tied head still trains
+    the row through the logits). Without this the two engines differ wherever the pad token is an input (SmolLM2's pad
+    is its end-of-turn token, inside every chat prompt)."""
+    lookup = embedding.forward
+
+    def forward(input_: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = lookup(input_, *args, **kwargs)
+        return torch.where((input_ != pad_id).unsqueeze(-1), out, out.detach())
+
+    embedding.forward = forward
 
 
 @contextlib.contextmanager
