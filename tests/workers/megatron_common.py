@@ -185,3 +185,34 @@ def reference_gpt(params: dict[str, torch.Tensor]) -> torch.nn.Module:
         for name, p in own.items():
             p.copy_(params[name])
     return model.double()
+
+
+def hf_causal_lm(kind: str, seed: int, **shape: Any) -> torch.nn.Module:
+    """A random Hugging Face ``kind`` model (``llama``: untied head; ``qwen2``: tied head, q/k/v biases; ``qwen3``:
+    per-head q/k norms, head_dim 16) of ``shape`` (config fields), float32, eval mode, seeded; its norms moved off 1
+    and its biases off 0, so that a mapping error shows."""
+    import transformers
+
+    cls_cfg, cls_model = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
+    extra: dict[str, Any] = {"tie_word_embeddings": kind == "qwen2"}
+    if kind == "qwen3":
+        extra["head_dim"] = 16
+    cfg = getattr(transformers, cls_cfg)(**shape, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_model)(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def write_rows(rows: Any, out: str) -> None:
+    """Rank 0 writes the worker's result rows to ``out`` as JSON; every rank waits for it."""
+    import json
+
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.barrier()

@@ -29,10 +29,10 @@ TP = 2 rows must then fail both checks.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from dsrl.cli.check import LR, MAX_LEN, collate, make_sequences, reference_gradi
 from dsrl.core.engine import TrainEngine  # noqa: E402
 from dsrl.rl.policy.logprobs import forward_logprobs  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_common import hf_causal_lm, write_rows  # noqa: E402
+
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=50000.0,
              pad_token_id=2)  # a pad id that occurs as an input: its embedding row takes no lookup gradient
@@ -55,20 +58,29 @@ N_SEQS = 8
 
 
 def hf_model(kind: str) -> torch.nn.Module:
-    import transformers
-
     from dsrl.cli.check_objectives import VOCAB
 
-    cfg_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
-    cfg = getattr(transformers, cfg_cls)(vocab_size=VOCAB, tie_word_embeddings=kind == "qwen2", **SHAPE)
-    torch.manual_seed(11)
-    model = getattr(transformers, model_cls)(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return hf_causal_lm(kind, 11, vocab_size=VOCAB, **SHAPE)
+
+
+def hf_state(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The HF model's weights by name, copied, as a tied model's safetensors hold them (no ``lm_head.weight``)."""
+    return {k: v.clone() for k, v in hf.state_dict().items()
+            if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+
+
+def plan_of(*, rollouts: int = 1, micro_batch_size: int = 1, **batch: Any) -> tuple[Any, Any]:
+    """(run file, plan) of N_SEQS sequences in two prompt groups, one mini-batch per rollout, for this data-parallel
+    size; ``batch`` adds ``dsrl.batch`` fields, a ``sections`` dict other sections."""
+    from megatron.core import parallel_state as ps
+
+    from dsrl import BatchPlan, load_config
+
+    sections = batch.pop("sections", {})
+    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
+                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": micro_batch_size,
+                                          **batch}, "run": {"rollouts": rollouts}, **sections}})
+    return cfg, BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
 
 
 def micro(seqs: list[dict]) -> dict[str, torch.Tensor]:
@@ -92,19 +104,12 @@ def advantage_loss(logp: torch.Tensor, mb: dict) -> torch.Tensor:
 def run_case(kind: str, tp: int, pp: int, mode: str, plant: bool) -> dict:
     from megatron.core import parallel_state as ps
 
-    from dsrl import BatchPlan, load_config
     from dsrl.core.logprobs import VocabShard, declare_vocab_shard
 
     initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     hf = hf_model(kind)
-    state = {k: v.clone() for k, v in hf.state_dict().items()}
-    if hf.config.tie_word_embeddings:
-        del state["lm_head.weight"]
-    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
-                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1,
-                                          "loss_agg": mode, "loss_agg_norm_length": MAX_LEN}, "run": {"rollouts": 1}}})
-    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
-    engine = build_engine(hf.config, state, plan, MegatronLayout(tp, pp),
+    _, plan = plan_of(loss_agg=mode, loss_agg_norm_length=MAX_LEN)
+    engine = build_engine(hf.config, hf_state(hf), plan, MegatronLayout(tp, pp),
                           OptimizerSettings(lr=LR, optimizer="sgd", use_distributed_optimizer=False))
     if plant and engine.module.head is not None:
         head = engine.module.head
@@ -150,15 +155,11 @@ def run_distributed_adam() -> dict:
     the CPU its plain optimizer): two steps apply, and both replicas hold the same weights after them."""
     from megatron.core import parallel_state as ps
 
-    from dsrl import BatchPlan, load_config
 
     initialize_parallel(MegatronLayout(), seed=0)
     hf = hf_model("llama")
-    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
-                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1},
-                                "run": {"rollouts": 2}}})
-    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
-    engine = build_engine(hf.config, dict(hf.state_dict()), plan, MegatronLayout(), OptimizerSettings(lr=1e-3))
+    _, plan = plan_of(rollouts=2)
+    engine = build_engine(hf.config, hf_state(hf), plan, MegatronLayout(), OptimizerSettings(lr=1e-3))
     seqs = make_sequences(N_SEQS, seed=4)
     parts = [[seqs[0:3]], [seqs[3:5], seqs[5:8]]]
     mine = [micro(p) for p in parts[ps.get_data_parallel_rank()]]
@@ -178,18 +179,12 @@ def run_weight_sync(tp: int, pp: int) -> dict:
     """After an Adam step, the engine's weights streamed by HF name (``MegatronEngine.hf_weights``) into a Hugging Face
     replica on every rank: the replica's log-probs (the behaviour policy's, as a rollout model computes them) against
     the engine's own no-grad pass, float32."""
-    from megatron.core import parallel_state as ps
 
-    from dsrl import BatchPlan, load_config
 
     initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     hf = hf_model("qwen2" if pp > 1 else "llama")  # the tied head across stages, the untied one across TP
-    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
-                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1},
-                                "run": {"rollouts": 1}}})
-    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
-    state = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
-    engine = build_engine(hf.config, state, plan, MegatronLayout(tp, pp), OptimizerSettings(lr=1e-2))
+    _, plan = plan_of()
+    engine = build_engine(hf.config, hf_state(hf), plan, MegatronLayout(tp, pp), OptimizerSettings(lr=1e-2))
     seqs = make_sequences(N_SEQS, seed=5)
     mine = [micro(seqs[:3]), micro(seqs[3:])]
     engine.train_mini_batch(mine, logprobs, advantage_loss)
@@ -222,15 +217,11 @@ def run_resume(tp: int, pp: int, directory: str) -> dict:
     a third loads the checkpoint but keeps a fresh engine's schedule (the LR moves every step here), and differs."""
     from megatron.core import parallel_state as ps
 
-    from dsrl import BatchPlan, load_config
 
     initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     hf = hf_model("qwen2" if pp > 1 else "llama")
-    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
-                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1},
-                                "run": {"rollouts": 3}}})
-    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
-    state = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    _, plan = plan_of(rollouts=3)
+    state = hf_state(hf)
     settings = OptimizerSettings(lr=1e-2, warmup_steps=1, decay_style="cosine")
     seqs = make_sequences(N_SEQS, seed=6)
     mine = [micro(seqs[:3]), micro(seqs[3:])] if ps.get_data_parallel_world_size() == 1 else \
@@ -271,9 +262,7 @@ def run_actor(tp: int, pp: int) -> dict:
     PolicyLoss (on-policy: no token clipped, the KL zero)."""
     import random
 
-    from megatron.core import parallel_state as ps
-
-    from dsrl import BatchPlan, algos, load_config
+    from dsrl import algos
     from dsrl.rl.data.batching import Sample
     from dsrl.rl.data.batching import collate as collate_samples
     from dsrl.rl.policy.actor import ActorSettings, PolicyActor
@@ -281,12 +270,9 @@ def run_actor(tp: int, pp: int) -> dict:
 
     initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     hf = hf_model("llama")
-    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
-                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 4},
-                                "algorithm": {"kl_coef": 0.05}, "rollout": {"logprob_micro_batch_size": 3},
-                                "run": {"rollouts": 1}}})
+    cfg, plan = plan_of(micro_batch_size=4, sections={"algorithm": {"kl_coef": 0.05},
+                                                      "rollout": {"logprob_micro_batch_size": 3}})
     d = cfg.dsrl
-    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
     layout = MegatronLayout(tp, pp)
     actor = PolicyActor.build(hf_model("llama"), lambda m: build_engine(m.config, m.state_dict(), plan, layout,
                                                                         OptimizerSettings(lr=1e-3)),
@@ -336,20 +322,12 @@ def _load_without_from_pretrained(hf_dir: str) -> torch.nn.Module:
 def run_real(hf_dir: str, tp: int, pp: int) -> dict:
     """A pretrained model (the real-model tier's SmolLM2-135M-Instruct: 30 layers, a tied head) on the engine: its
     log-probs against transformers', and one exact step against the float64 reference gradient (rank 0 computes it)."""
-    from megatron.core import parallel_state as ps
 
-    from dsrl import BatchPlan, load_config
 
     initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     hf = _load_without_from_pretrained(hf_dir)
-    cfg = load_config({"dsrl": {"batch": {"prompts_per_rollout": 2, "samples_per_prompt": N_SEQS // 2,
-                                          "mini_batch_size": N_SEQS, "micro_batch_size_per_rank": 1,
-                                          "loss_agg": "token-mean"},
-                                "run": {"rollouts": 1}}})
-    plan = BatchPlan.from_config(cfg, ps.get_data_parallel_world_size())
-    state = {k: v.clone() for k, v in hf.state_dict().items()
-             if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
-    engine = build_engine(hf.config, state, plan, MegatronLayout(tp, pp),
+    _, plan = plan_of(loss_agg="token-mean")
+    engine = build_engine(hf.config, hf_state(hf), plan, MegatronLayout(tp, pp),
                           OptimizerSettings(lr=LR, optimizer="sgd", use_distributed_optimizer=False))
     seqs = make_sequences(N_SEQS, seed=3)
     mine = [micro(seqs[0:3]), micro(seqs[3:8])]
@@ -403,10 +381,7 @@ def main() -> None:
         rows.extend(run_actor(tp, pp) for tp, pp in ((2, 1), (1, 2)))
         rows.extend(run_resume(tp, pp, os.path.join(os.path.dirname(args.out), f"checkpoint-tp{tp}-pp{pp}"))
                     for tp, pp in ((2, 1), (1, 2), (1, 1)))
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    dist.barrier()
+    write_rows(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ map (k and v swapped in the fused qkv) so the test can show its check failing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,27 +28,16 @@ megatron_cpu_shim.install()
 
 from dsrl.backends.megatron import hf_weights  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_common import hf_causal_lm, write_rows  # noqa: E402
+
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
              rope_theta=50000.0)  # not the default base: the map must read it
 
 
 def hf_model(kind: str) -> torch.nn.Module:
-    import transformers
-
-    cls_cfg, cls_model = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
-    extra = {"tie_word_embeddings": kind == "qwen2"}
-    if kind == "qwen3":
-        extra["head_dim"] = 16
-    cfg = getattr(transformers, cls_cfg)(**SHAPE, **extra)
-    torch.manual_seed(7)
-    model = getattr(transformers, cls_model)(cfg).float().eval()
-    with torch.no_grad():  # norms away from 1, biases away from 0, so that a mapping error shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return hf_causal_lm(kind, 7, **SHAPE)
 
 
 def run_case(kind: str, tp: int, pp: int, plant: bool) -> dict:
@@ -125,10 +113,7 @@ def main() -> None:
     for kind in ("llama", "qwen2", "qwen3") if not args.plant else ("llama",):
         for tp, pp in layouts:
             rows.append(run_case(kind, tp, pp, args.plant))
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    dist.barrier()
+    write_rows(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ makes one of a Hugging Face causal LM.
   hf_weights` (every weight under its Hugging Face name, full, on every rank, one at a time); ``generation_scope``
   says so.
 
-Not built yet (ARCHITECTURE §4 "(engine)"; issue 40): context parallelism and sequence parallelism here (the local
-layer spec has no context-parallel attention), the run file's ``dsrl.engine`` section and ``launch/train.py``
-choosing this engine, checkpoints through dist-checkpointing, and the ds_config's optimizer mapped onto Megatron's.
+Checkpoints go through megatron-core's dist-checkpointing (:meth:`MegatronEngine.save_checkpoint` /
+``load_checkpoint``). Not built yet (ARCHITECTURE §4 "(engine)"; issue 40): context, expert and sequence parallelism
+(refused by :class:`MegatronLayout`), the run file's ``dsrl.engine`` section and ``launch/train.py`` choosing this
+engine, and the ds_config's optimizer and scheduler mapped onto :class:`OptimizerSettings`.
 """
 
 from __future__ import annotations
