@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from dsrl.config import ConfigError
+from dsrl.core import process_identity
 
 LOCK_NAME = ".dsrl.lock"
 _held: list[OutputLock] = []
@@ -35,25 +36,15 @@ def release_all() -> None:
         lock.release()
 
 
-def _start_time(pid: int) -> float | None:
-    try:
-        import psutil
-
-        return float(psutil.Process(pid).create_time())
-    except Exception:
-        return None
-
-
 def _alive(info: dict[str, Any]) -> bool:
-    """Whether the lock's process still runs on this host (same pid *and* same start time)."""
+    """Whether the lock's process still runs on this host (same pid *and* same start, counted from boot: a wall
+    clock stepped since the lock was taken does not make its live holder look stale). A lock written before the
+    start was recorded this way counts as held while its pid exists."""
     pid = int(info.get("pid", -1))
-    if pid <= 0:
+    if pid <= 0 or process_identity.started(pid) is None:
         return False
-    started = _start_time(pid)
-    if started is None:
-        return False
-    recorded = info.get("pid_start_time")
-    return recorded is None or abs(float(recorded) - started) < 1.0
+    recorded = info.get("pid_started_since_boot")
+    return recorded is None or process_identity.same(pid, recorded)
 
 
 class OutputLock:
@@ -83,7 +74,7 @@ class OutputLock:
         """Take the lock of ``output_dir`` or raise ConfigError naming its holder."""
         path = os.path.join(output_dir, LOCK_NAME)
         host = socket.gethostname()
-        info = {"host": host, "pid": os.getpid(), "pid_start_time": _start_time(os.getpid()),
+        info = {"host": host, "pid": os.getpid(), "pid_started_since_boot": process_identity.started(),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         taken_over = None
         for _ in range(20):

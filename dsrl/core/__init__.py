@@ -7,6 +7,7 @@ with the output head fused into a tiled log-softmax (:mod:`.logprobs`), the step
 bounds (:mod:`.collectives`, :mod:`.timeouts`), seeds (:mod:`.seeds`), run errors (:mod:`.errors`), and the
 start-up: which launcher placed this rank (:mod:`.launchers`: DeepSpeed's and pdsh, torchrun, Slurm, OpenMPI) and
 the preflight on the job's TCP store before the process group exists (:mod:`.rendezvous`),
+which process a pid names, by its start counted from boot (:mod:`.process_identity`),
 the memory model of ``dsrl plan`` (:mod:`.memory`), weight-sync buckets (:mod:`.buckets`) and what a rollout moved
 between device and host (:mod:`.traffic`).
 

@@ -28,12 +28,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dsrl.core import process_identity
+
 ENDED, FROZEN = "has ended (its process is gone)", "is frozen (its process is stopped)"
 
 
 @dataclass(frozen=True)
 class Process:
-    """Where a rank runs: its host name, process id and process start time (psutil's, seconds since the epoch)."""
+    """Where a rank runs: its host name, process id and process start (:func:`dsrl.core.process_identity.started`:
+    seconds from its host's boot, which a stepped wall clock does not move)."""
 
     host: str
     pid: int
@@ -41,9 +44,7 @@ class Process:
 
 
 def this_process() -> Process:
-    import psutil
-
-    return Process(socket.gethostname(), os.getpid(), psutil.Process().create_time())
+    return Process(socket.gethostname(), os.getpid(), process_identity.started() or 0.0)
 
 
 class Peers:
@@ -93,8 +94,10 @@ class Peers:
         if proc.host != socket.gethostname():
             return None
         try:
+            if not process_identity.same(proc.pid, proc.started):
+                return ENDED
             p = psutil.Process(proc.pid)
-            if abs(p.create_time() - proc.started) > 0.5 or p.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            if p.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
                 return ENDED
             if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
                 return FROZEN
@@ -136,7 +139,8 @@ class Peers:
         targets = [(r, self.processes[r]) for r in ranks if r != self.rank and self.processes[r].host == here]
         if not targets:
             return []
-        args = json.dumps({"delay": delay_s, "targets": [[p.pid, p.started] for _, p in targets]})
+        args = json.dumps({"delay": delay_s, "targets": [[p.pid, p.started] for _, p in targets],
+                           "identity": process_identity.__file__})
         try:
             helper = subprocess.Popen([sys.executable, "-c", _ENDER, args], stdin=subprocess.PIPE,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
@@ -169,12 +173,14 @@ try:
 except OSError:
     pass
 time.sleep(args["delay"])
-import psutil
+import importlib.util
+spec = importlib.util.spec_from_file_location("process_identity", args["identity"])
+identity = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(identity)
 for pid, started in args["targets"]:
-    try:
-        p = psutil.Process(pid)
-        if abs(p.create_time() - started) <= 0.5:
-            p.kill()
-    except psutil.Error:
-        pass
+    if identity.same(pid, started):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 """

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dsrl.core import collectives
+from dsrl.core import collectives, process_identity
 from dsrl.runtime.peers import Peers
 from dsrl.runtime.peers import current as current_peers
 
@@ -53,7 +53,8 @@ def _looks_like_launcher(cmdline: list[str]) -> bool:
 
 
 def launcher_ancestors() -> list[tuple[int, float, str]]:
-    """``(pid, start time, name)`` of the launcher processes above this one, nearest first."""
+    """``(pid, start, name)`` of the launcher processes above this one, nearest first; the start is
+    :func:`dsrl.core.process_identity.started`'s (counted from boot: a stepped wall clock does not move it)."""
     try:
         import psutil
 
@@ -63,7 +64,10 @@ def launcher_ancestors() -> list[tuple[int, float, str]]:
             cmd = proc.cmdline()
             if not _looks_like_launcher(cmd):
                 break
-            out.append((proc.pid, proc.create_time(), " ".join(cmd[:3])))
+            started = process_identity.started(proc.pid)
+            if started is None:
+                break
+            out.append((proc.pid, started, " ".join(cmd[:3])))
             proc = proc.parent()
         return out
     except Exception:
@@ -71,11 +75,14 @@ def launcher_ancestors() -> list[tuple[int, float, str]]:
 
 
 def _gone(pid: int, started: float) -> bool:
+    """Whether the launcher process ``pid`` that started at ``started`` (from boot) has ended: its pid is free,
+    names another process, or a zombie."""
     import psutil
 
+    if not process_identity.same(pid, started):
+        return True
     try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - started) > 1.0 or p.status() == psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:

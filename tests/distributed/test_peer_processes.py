@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dsrl.core import process_identity
 from dsrl.runtime.peers import ENDED, FROZEN, Peers, Process, this_process
 
 HOST = socket.gethostname()
@@ -30,7 +31,7 @@ def _sleeper() -> subprocess.Popen:
 
 
 def _process(p: subprocess.Popen) -> Process:
-    return Process(HOST, p.pid, psutil.Process(p.pid).create_time())
+    return Process(HOST, p.pid, process_identity.started(p.pid))
 
 
 def test_ended_frozen_and_running_ranks_are_told_apart():
@@ -86,3 +87,39 @@ def test_a_stuck_rank_is_ended_only_after_the_caller_exited(same_process):
     finally:
         target.kill()
         target.wait()
+
+
+def _epoch_identity(pid=None):
+    """The identity dsrl used before 2026-12-07: psutil's create_time, boot time + start (planted below)."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stamp counted from boot is Linux's")
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_stepped_wall_clock_ends_no_live_process(monkeypatch, tmp_path, planted):
+    """NTP steps the wall clock by 5 s, which moves Linux's boot time and so psutil's create_time: the launcher
+    watch, the peers' obituary and the output lock still see their live processes alive, and still see them
+    ended once they exit (planted: the epoch create_time as identity takes all three for ended; CI of
+    2026-12-07 stopped a job 22 s into start-up on it)."""
+    from dsrl.checkpoint import output_lock
+    from dsrl.runtime import stop
+
+    if planted:
+        monkeypatch.setattr(process_identity, "started", _epoch_identity)
+    launcher = _sleeper()
+    try:
+        time.sleep(0.1)
+        stamp = process_identity.started(launcher.pid)
+        lock = {"host": HOST, "pid": launcher.pid, "pid_started_since_boot": stamp}
+        peers = Peers(0, [this_process(), Process(HOST, launcher.pid, stamp)])
+        real_boot = psutil._pslinux.boot_time
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: real_boot() + 5.0)
+        seen_alive = (not stop._gone(launcher.pid, stamp), peers.ended() == {}, output_lock._alive(lock))
+        assert seen_alive == ((False, False, False) if planted else (True, True, True))
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert stop._gone(launcher.pid, stamp) and peers.ended() == {1: ENDED} and not output_lock._alive(lock)
