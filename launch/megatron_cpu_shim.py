@@ -46,6 +46,14 @@ def install() -> None:
         return
     _INSTALLED = True
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # torch's device context (``with torch.device("meta")``) recognises factory calls by identity, from a set it
+    # builds once, at its first use: built after the wrappers below, it would hold them instead of torch's own
+    # functions, so a factory call under the context would no longer take its device (transformers' from_pretrained
+    # then builds a model on the CPU, takes it for one without a meta context, and leaves a Llama's rotary inv_freq
+    # uninitialised). Build the set from torch's own functions first.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in ("zeros", "empty", "ones", "tensor", "full", "arange", "randn", "rand"):
         orig = getattr(torch, name)
 

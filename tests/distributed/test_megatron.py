@@ -155,3 +155,37 @@ def test_train_megatron_example(layout, args):
 
 
 # -- in-process --------------------------------------------------------------------------------
+
+
+SHIMMED_FROM_PRETRAINED = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import megatron_cpu_shim
+if sys.argv[3] == "planted":  # the shim before the fix: torch's device context learns its factories after the wrappers
+    import torch.utils._device as device_context
+    device_context._device_constructors = lambda: set()
+megatron_cpu_shim.install()
+from transformers import AutoModelForCausalLM
+inv = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32).model.rotary_emb.inv_freq
+print("INV", inv[:3].tolist())
+"""
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_cpu_shim_leaves_from_pretrained_intact(tmp_path, planted):
+    """With the CPU shim installed before transformers is imported (as launch/train.py on the Megatron engine does),
+    from_pretrained still builds a Llama's rotary frequencies: torch's device context knows its own factory functions,
+    not the shim's wrappers (planted: a context that recognises none of them leaves inv_freq garbage)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    want = (1.0 / 50000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))[:3].tolist()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", SHIMMED_FROM_PRETRAINED, str(REPO / "launch"), str(tmp_path / "llama"),
+                           "planted" if planted else "fixed"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(re.search(r"^INV (.*)$", proc.stdout, re.M).group(1))
+    assert (max(abs(a - b) for a, b in zip(got, want)) < 1e-6) != planted, (got, want)

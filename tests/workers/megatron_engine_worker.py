@@ -304,28 +304,15 @@ def run_actor(tp: int, pp: int) -> dict:
             "clipped": float(res["clip_low_frac"]) + float(res["clip_high_frac"])}
 
 
-def _load_without_from_pretrained(hf_dir: str) -> torch.nn.Module:
-    """The model of ``hf_dir`` built from its config and its safetensors loaded by name. Not ``from_pretrained``: with
-    the CPU shim installed (its wrapper of ``torch.tensor``), transformers 5.25's ``from_pretrained`` leaves a Llama's
-    rotary ``inv_freq`` uninitialised, and the reference would be wrong."""
-    import safetensors.torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32).eval()
-    state = safetensors.torch.load_file(os.path.join(hf_dir, "model.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [n for n in missing if n != "lm_head.weight"]:
-        raise RuntimeError(f"{hf_dir}: weights missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return model
-
-
 def run_real(hf_dir: str, tp: int, pp: int) -> dict:
     """A pretrained model (the real-model tier's SmolLM2-135M-Instruct: 30 layers, a tied head) on the engine: its
     log-probs against transformers', and one exact step against the float64 reference gradient (rank 0 computes it)."""
 
 
     initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
-    hf = _load_without_from_pretrained(hf_dir)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()  # under the CPU shim
     _, plan = plan_of(loss_agg="token-mean")
     engine = build_engine(hf.config, hf_state(hf), plan, MegatronLayout(tp, pp),
                           OptimizerSettings(lr=LR, optimizer="sgd", use_distributed_optimizer=False))
