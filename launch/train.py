@@ -34,6 +34,19 @@ from dsrl.runtime.process_exit import leave
 from dsrl.runtime.stop import InterruptedStartup
 
 
+def _megatron_on_this_host() -> None:
+    """Without CUDA, megatron-core runs on the CPU with gloo through the shim beside this script
+    (launch/megatron_cpu_shim.py), installed before megatron-core builds anything; with CUDA, nothing."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import megatron_cpu_shim
+
+    megatron_cpu_shim.install()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ds_config", required=True, help="the run file: a ds_config with a \"dsrl\" section")
@@ -70,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         from dsrl.config import load_config
 
         cfg = load_config(args.ds_config, overrides)
+        if cfg.dsrl.engine.kind == "megatron":
+            _megatron_on_this_host()
         from dsrl.rl.disagg.roles import GENERATOR, split_world
         from dsrl.rl.trainer import Trainer
 

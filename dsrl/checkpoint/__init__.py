@@ -5,5 +5,6 @@ saving and resuming RLEngines with their companions (:mod:`.engines`), resume on
 through universal checkpoints (:mod:`.elastic`), the output directory and its lock (:mod:`.run_dir`,
 :mod:`.output_lock`) and the Hugging Face export (:mod:`.export`).
 
-May import: :mod:`dsrl.backends.deepspeed`, :mod:`dsrl.core`, :mod:`dsrl.config`; never :mod:`dsrl.rl`.
+May import: :mod:`dsrl.backends.deepspeed`, :mod:`dsrl.backends.megatron`, :mod:`dsrl.core`, :mod:`dsrl.config`;
+never :mod:`dsrl.rl`.
 """

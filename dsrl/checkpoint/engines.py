@@ -1,4 +1,5 @@
-"""Save and resume :class:`dsrl.backends.deepspeed.engine.RLEngine` s in one atomic checkpoint.
+"""Save and resume training engines in one atomic checkpoint: DeepSpeed's
+:class:`dsrl.backends.deepspeed.engine.RLEngine` s, or the Megatron engine (:mod:`dsrl.checkpoint.megatron_files`).
 
 The policy's engine is the checkpoint's root; each companion (the critic: its engine, LR schedule and
 step counters) goes to ``<tag>/<name>/`` in the same commit (:mod:`dsrl.checkpoint.commit`), with a
@@ -16,6 +17,7 @@ from typing import Any
 from dsrl.backends.deepspeed.engine import RLEngine
 from dsrl.checkpoint import commit
 from dsrl.checkpoint.elastic import engine_layout, load, saved_layout
+from dsrl.core.engine import TrainEngine
 from dsrl.core.errors import CheckpointError
 
 
@@ -32,7 +34,7 @@ class Resumed:
         return iter((self.tag, self.client_state, self.rank_state))
 
 
-def save_engines(rl: RLEngine, save_dir: str, tag: str, client_state: dict[str, Any] | None = None,
+def save_engines(rl: TrainEngine, save_dir: str, tag: str, client_state: dict[str, Any] | None = None,
                  rank_state: dict[str, Any] | None = None, keep_last: int | None = None, checksums: bool = True,
                  before_commit: Callable[[str], None] | None = None,
                  companions: dict[str, RLEngine] | None = None, model: dict[str, Any] | None = None) -> str:
@@ -42,12 +44,18 @@ def save_engines(rl: RLEngine, save_dir: str, tag: str, client_state: dict[str, 
     state = {"engine": rl.state_dict(), "client": client_state or {}}
     others = {name: (c.engine, {"engine": c.state_dict()}, engine_layout(c).to_dict())
               for name, c in (companions or {}).items()}
+    if not isinstance(rl, RLEngine):  # the Megatron engine (dsrl.checkpoint.megatron_files)
+        from dsrl.checkpoint.megatron_files import MegatronFiles, megatron_layout
+
+        return commit.save(MegatronFiles(rl), save_dir, tag, state, rank_state=rank_state, keep_last=keep_last,
+                           layout=megatron_layout(rl), checksums=checksums, before_commit=before_commit,
+                           companions=others, model=model)
     return commit.save(rl.engine, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last,
                        layout=engine_layout(rl).to_dict(), checksums=checksums, before_commit=before_commit,
                        companions=others, model=model)
 
 
-def load_engines(rl: RLEngine, load_dir: str, tag: str | None = None,
+def load_engines(rl: TrainEngine, load_dir: str, tag: str | None = None,
                  companions: dict[str, RLEngine] | None = None) -> Resumed:
     """Resume ``rl`` from the newest complete checkpoint of ``load_dir`` (or ``tag``) and each companion from
     ``<tag>/<name>/``, on this or another number of data-parallel ranks. Collective: every rank calls it."""
@@ -60,6 +68,14 @@ def load_engines(rl: RLEngine, load_dir: str, tag: str | None = None,
             raise CheckpointError(f"checkpoint {where} holds no {name!r} engine (written by a run without a "
                                   f"{name}?). Fix: resume with the original algorithm, or start a new "
                                   "dsrl.run.output_dir.")
+    if not isinstance(rl, RLEngine):  # the Megatron engine (dsrl.checkpoint.megatron_files)
+        from dsrl.checkpoint import manifest
+        from dsrl.checkpoint.megatron_files import MegatronFiles, check_same_layout
+
+        check_same_layout(manifest.engine_layout(where), rl, where)
+        _, state, rank_state = commit.load(MegatronFiles(rl), load_dir, tag)
+        rl.load_state_dict(state["engine"])
+        return Resumed(tag, state.get("client", {}), rank_state)
     state, rank_state, notice = load(rl, load_dir, tag, saved_layout(where))
     rl.load_state_dict(state["engine"])
     for name, c in (companions or {}).items():

@@ -9,6 +9,7 @@ from pydantic import model_validator
 from dsrl.config.algorithm import AlgorithmConfig, CriticConfig, SftConfig
 from dsrl.config.batch import BatchConfig
 from dsrl.config.data import DataConfig
+from dsrl.config.engine import EngineConfig
 from dsrl.config.errors import ConfigError
 from dsrl.config.evaluation import EvalConfig
 from dsrl.config.memory import MemoryConfig
@@ -35,6 +36,7 @@ class DsrlConfig(Section):
     sft: SftConfig = setting(SftConfig, SftConfig.__doc__)
     memory: MemoryConfig = setting(MemoryConfig, MemoryConfig.__doc__)
     eval: EvalConfig = setting(EvalConfig, EvalConfig.__doc__)
+    engine: EngineConfig = setting(EngineConfig, EngineConfig.__doc__)
 
     @model_validator(mode="before")
     @classmethod

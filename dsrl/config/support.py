@@ -26,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dsrl.config.engine import DEEPSPEED_ENGINE, MEGATRON_ENGINE
 from dsrl.config.errors import problems_error
 from dsrl.config.names import (
     ALGORITHM_DEFAULTS,
@@ -70,6 +71,7 @@ class Setup:
     router_aux_loss: bool = _feature(False, "model.router_aux_loss_coef")  # > 0: the load-balancing term is trained
     offload_states: bool = _feature(False, "memory.offload_states")  # training state off the device between phases
     share_prompts: bool = _feature(False, "model.share_prompts")  # prompt-shared forwards (dsrl.rl.data.prefix)
+    engine: str = _feature(DEEPSPEED_ENGINE, "engine.kind")  # the training engine (dsrl.config.engine)
 
     @classmethod
     def of(cls, dsrl: DsrlConfig, ds_config: dict[str, Any]) -> Setup:
@@ -92,7 +94,8 @@ class Setup:
                    expert_parallel=isinstance(experts, dict) and bool(experts.get("enabled", False)),
                    algorithm=algorithm.name, dynamic_sampling=bool(dynamic),
                    routing_replay=dsrl.model.routing_replay, router_aux_loss=dsrl.model.router_aux_loss_coef > 0,
-                   offload_states=dsrl.memory.offload_states, share_prompts=dsrl.model.share_prompts)
+                   offload_states=dsrl.memory.offload_states, share_prompts=dsrl.model.share_prompts,
+                   engine=dsrl.engine.kind)
 
     def replace(self, **features: Any) -> Setup:
         return dataclasses.replace(self, **features)
@@ -199,6 +202,7 @@ class Rule:
 # -------------------------------------------------------------------------------------------------------- rules
 _DISAGG = Is(DISAGGREGATED)
 _AUTOTP = AtLeast(2)
+_MEGATRON = Is(MEGATRON_ENGINE)
 
 RULES: tuple[Rule, ...] = (
     Rule("multi-turn-disaggregated", {"placement": _DISAGG, "multi_turn": Is(True)},
@@ -280,11 +284,51 @@ RULES: tuple[Rule, ...] = (
          "AutoTP yet. Fix: set share_prompts to false, or autotp_size to 1 (ZeRO-3 shards the model instead)."),
     # device memory between phases (docs/memory.md); the ZeRO-3 optimizer condition needs the resolved optimizer
     # and lives in dsrl.backends.deepspeed.validation
-    Rule("offload-zero0", {"offload_states": Is(True), "zero_stage": Is(0)},
-         "dsrl.memory.offload_states with zero_optimization.stage 0: DeepSpeed's engine.offload_states moves the "
-         "buffers of its ZeRO optimizer, and ZeRO-0 has none (DeepSpeed 0.19.8 offers it for ZeRO 1-3 only; under "
-         "stage 0 the call fails with \"'AdamW' object has no attribute 'offload_states'\"). Fix: set "
-         "zero_optimization.stage to 1, 2 or 3, or memory.offload_states to false."),
+    Rule("offload-zero0", {"offload_states": Is(True), "zero_stage": Is(0), "engine": Is(DEEPSPEED_ENGINE)},
+         "dsrl.memory.offload_states with zero_optimization.stage 0 (dsrl.engine.kind {engine!r}): DeepSpeed's "
+         "engine.offload_states moves the buffers of its ZeRO optimizer, and ZeRO-0 has none (DeepSpeed 0.19.8 "
+         "offers it for ZeRO 1-3 only; under stage 0 the call fails with \"'AdamW' object has no attribute "
+         "'offload_states'\"). Fix: set zero_optimization.stage to 1, 2 or 3, or memory.offload_states to false."),
+    # megatron-core's engine (docs/megatron.md): what is DeepSpeed's alone, and what is not built on it yet
+    Rule("megatron-zero", {"engine": _MEGATRON, "zero_stage": AtLeast(1)},
+         "dsrl.engine.kind = 'megatron' with zero_optimization.stage = {zero_stage}: ZeRO is DeepSpeed's engine; "
+         "megatron-core shards the optimizer state with its distributed optimizer (on GPUs). Fix: set "
+         "zero_optimization.stage to 0 (or remove the section), or use dsrl.engine.kind 'deepspeed'."),
+    Rule("megatron-autotp", {"engine": _MEGATRON, "autotp_size": _AUTOTP},
+         "dsrl.engine.kind = 'megatron' with tensor_parallel.autotp_size = {autotp_size}: AutoTP is DeepSpeed's "
+         "tensor parallelism. Fix: remove the tensor_parallel section and set "
+         "dsrl.engine.tensor_model_parallel_size instead."),
+    Rule("megatron-autoep", {"engine": _MEGATRON, "expert_parallel": Is(True)},
+         "dsrl.engine.kind = 'megatron' with an expert_parallel section: AutoEP is DeepSpeed's, and dsrl's HF weight "
+         "map for megatron-core is for dense models. Fix: remove expert_parallel, or use dsrl.engine.kind "
+         "'deepspeed'."),
+    Rule("megatron-ulysses", {"engine": _MEGATRON, "sequence_parallel_size": AtLeast(2)},
+         "dsrl.engine.kind = 'megatron' with sequence_parallel_size = {sequence_parallel_size}: Ulysses is "
+         "DeepSpeed's sequence parallelism. Fix: remove sequence_parallel_size."),
+    Rule("megatron-lora", {"engine": _MEGATRON, "lora": Is(True)},
+         "dsrl.model.lora with dsrl.engine.kind = 'megatron': dsrl's LoRA wraps the HF model's linear layers through "
+         "PEFT, which megatron-core's layers are not. Fix: remove dsrl.model.lora, or use dsrl.engine.kind "
+         "'deepspeed'."),
+    Rule("megatron-offload", {"engine": _MEGATRON, "offload_states": Is(True)},
+         "dsrl.memory.offload_states with dsrl.engine.kind = 'megatron': the offload moves DeepSpeed's optimizer "
+         "buffers (engine.offload_states). Fix: set memory.offload_states to false."),
+    Rule("megatron-share-prompts", {"engine": _MEGATRON, "share_prompts": Is(True)},
+         "dsrl.model.share_prompts with dsrl.engine.kind = 'megatron': shared rows need a 4-D attention mask, and "
+         "megatron-core's rotary positions are each row's own. Fix: set share_prompts to false."),
+    Rule("megatron-critic", {"engine": _MEGATRON, "algorithm": OneOf(CRITIC_ALGORITHMS)},
+         "dsrl.algorithm.name = {algorithm!r} with dsrl.engine.kind = 'megatron': the critic is not built on the "
+         "Megatron engine yet. Fix: use a critic-free algorithm (grpo, dr_grpo, rloo, dapo, gspo), or dsrl.engine.kind "
+         "'deepspeed'."),
+    Rule("megatron-disaggregated", {"engine": _MEGATRON, "placement": _DISAGG},
+         "dsrl.rollout.placement = 'disaggregated' with dsrl.engine.kind = 'megatron': the trainers' weight stream to "
+         "generator ranks is not built from the Megatron engine yet. Fix: use placement 'colocated'."),
+    Rule("megatron-vllm", {"engine": _MEGATRON, "backend": Is(VLLM_BACKEND)},
+         "rollout.backend = 'vllm' with dsrl.engine.kind = 'megatron': the Megatron engine feeds an HF replica that "
+         "'hf' and 'cb' generate with; vLLM's sync from it is not built yet. Fix: set rollout.backend to 'auto', "
+         "'hf' or 'cb'."),
+    Rule("megatron-multi-turn", {"engine": _MEGATRON, "multi_turn": Is(True)},
+         "dsrl.data.environment (multi-turn rollouts) with dsrl.engine.kind = 'megatron': not tested on the Megatron "
+         "engine yet. Fix: use dsrl.engine.kind 'deepspeed' for multi-turn runs."),
 )
 
 

@@ -45,6 +45,7 @@ class PipelineView:
     is_last_stage: bool
     group: Any  # the pipeline group of this rank (ranks holding the same data at different stages)
     last_stage_global_rank: int  # the global rank that holds the losses and broadcasts them
+    stage: int = 0  # this rank's stage (0: the first, which holds its replica's data: dsrl.rl.data.replica)
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tasks": {"config"},
     "runtime": {"config", "core"},
     "rollout": {"config", "core", "algos"},
-    "checkpoint": {"config", "core", "backends.deepspeed"},
+    "checkpoint": {"config", "core"} | BACKENDS,
     # the RL application's own modules (trainer, experience, critic, sft) compose everything below and every room;
     # a room never imports them, and rooms import each other one way only (dsrl/rl/__init__.py); the run's parts
     # (rl.run) compose the application's modules, and only the trainer imports them (ONLY_THE_TRAINER)
     "rl": (BELOW_RL - BACKENDS) | RL_ROOMS | {"rl.run"},
-    "rl.run": BELOW_RL | RL_ROOMS | {"rl"},
+    "rl.run": BELOW_RL | BACKENDS | RL_ROOMS | {"rl"},
     "rl.policy": {"config", "core", "rollout", "algos", "runtime", "rl.data"},
     "rl.data": {"config", "core", "tasks"},
     "rl.rewards": {"config", "core", "rollout", "runtime", "tasks", "rl.data", "rl.policy"},

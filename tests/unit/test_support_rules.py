@@ -64,6 +64,8 @@ def _run_file(setup: Setup) -> dict:
         raw["dsrl"]["memory"] = {"offload_states": True}
     if setup.share_prompts:
         raw["dsrl"]["model"]["share_prompts"] = True
+    if setup.engine != "deepspeed":
+        raw["dsrl"]["engine"] = {"kind": setup.engine}
     return raw
 
 

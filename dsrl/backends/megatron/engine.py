@@ -20,14 +20,17 @@ makes one of a Hugging Face causal LM.
   says so.
 
 Checkpoints go through megatron-core's dist-checkpointing (:meth:`MegatronEngine.save_checkpoint` /
-``load_checkpoint``). Not built yet (ARCHITECTURE §4 "(engine)"; issue 40): context, expert and sequence parallelism
-(refused by :class:`MegatronLayout`), the run file's ``dsrl.engine`` section and ``launch/train.py`` choosing this
-engine, and the ds_config's optimizer and scheduler mapped onto :class:`OptimizerSettings`.
+``load_checkpoint``). ``launch/train.py`` builds this engine for ``dsrl.engine.kind = "megatron"``
+(:mod:`dsrl.rl.run.engines`), with the ds_config's optimizer (:mod:`dsrl.backends.megatron.run_file`), dsrl's
+schedule and, on the CPU, dsrl's gradient clipping (:func:`clip_grad_norm_on_host`). Not built yet (ARCHITECTURE §4
+"(engine)"; issue 40): context, expert and sequence parallelism (refused by :class:`MegatronLayout`), mixed
+precision, the critic, and generator ranks or vLLM fed from it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -84,7 +87,11 @@ class OptimizerSettings:
     warmup_steps: int = 0
     decay_style: str = "constant"
     optimizer: str = "adam"
+    sgd_momentum: float = 0.9
     use_distributed_optimizer: bool = True  # on GPUs (megatron-core's takes CUDA tensors only)
+    # True: weight decay on every parameter, as DeepSpeed's optimizers do (launch/train.py); False: megatron-core's
+    # default, none on biases and one-dimensional weights (norms)
+    decay_every_parameter: bool = False
 
 
 class ReplicatedFrozen:
@@ -112,13 +119,27 @@ class MegatronEngine(MegatronRLStep):
     from; ``plan``: the run's :class:`dsrl.core.plan.BatchPlan`."""
 
     def __init__(self, chunk: Any, optimizer: Any, scheduler: Any, plan: BatchPlan, hf_config: Any, *,
-                 schedule_unit: str = OPTIMIZER_STEPS):
+                 schedule_unit: str = OPTIMIZER_STEPS, host_clip_grad: float = 0.0):
         super().__init__(chunk, optimizer, scheduler, loss_agg=plan.loss_agg, convention=PER_TOKEN,
                          schedule_unit=schedule_unit, mini_batch_size=plan.mini_batch_size,
                          loss_agg_norm_length=plan.loss_agg_norm_length)
         self.plan = plan
         self.hf_config = hf_config
+        self.host_clip_grad = float(host_clip_grad)  # > 0: dsrl clips (megatron-core's clipping needs CUDA)
+        self.monitor: Any = None  # the run's metrics monitor (DeepSpeed's MonitorMaster), set by the composition root
         self._module = GPTCausalLM(chunk, hf_config)
+
+    def _optimizer_step(self) -> tuple[bool, Any]:
+        """megatron-core's step, or on the CPU with clipping its three parts with dsrl's clipping between them
+        (:func:`clip_grad_norm_on_host`); a non-finite gradient norm applies nothing."""
+        if self.host_clip_grad <= 0:
+            return super()._optimizer_step()
+        if self.optimizer.prepare_grads():  # an overflow found by a loss scaler (fp16): megatron skips the step
+            return False, None
+        norm = clip_grad_norm_on_host(self.optimizer, self.host_clip_grad)
+        if not math.isfinite(norm):
+            return False, norm
+        return bool(self.optimizer.step_with_ready_grads()), norm
 
     # -- what the application's forwards see (dsrl.core.forwards.PolicyForwards) -------------------
     @property
@@ -250,6 +271,28 @@ class MegatronEngine(MegatronRLStep):
         return ReplicatedFrozen(placed, offload(placed) if offload is not None else None)
 
 
+@torch.no_grad()
+def clip_grad_norm_on_host(optimizer: Any, max_norm: float) -> float:
+    """megatron-core's ``clip_grad_norm`` in plain torch, for the CPU (megatron-core 0.16.1's asserts CUDA tensors):
+    the L2 norm of the main gradients, each counted once (``get_main_grads_for_grad_norm`` leaves out tensor-parallel
+    duplicates and the second copy of a shared embedding), summed over ``get_grad_stats_parallel_group()``; every
+    gradient scaled by ``max_norm / (norm + 1e-6)`` when that is below 1 (DeepSpeed's and megatron-core's formula).
+    Returns the norm before clipping; a non-finite norm scales nothing."""
+    squares = torch.zeros((), dtype=torch.float32)
+    for grad in optimizer.get_main_grads_for_grad_norm():
+        squares += grad.float().pow(2).sum()
+    group = optimizer.get_grad_stats_parallel_group()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
+    norm = float(squares.sqrt())
+    coefficient = max_norm / (norm + 1e-6)
+    if math.isfinite(norm) and coefficient < 1.0:
+        for param in optimizer.get_parameters():
+            if param.grad is not None:
+                param.grad.mul_(coefficient)
+    return norm
+
+
 def _stop_checkpoint_writer_queue() -> None:
     """Shut down the process megatron-core's checkpoint writer started for its results queue.
 
@@ -299,11 +342,15 @@ def initialize_parallel(layout: MegatronLayout, seed: int) -> None:
 
 
 def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: BatchPlan, layout: MegatronLayout,
-                 settings: OptimizerSettings, *, on_gpu: bool = False) -> MegatronEngine:
+                 settings: OptimizerSettings, *, on_gpu: bool = False,
+                 scheduler_of: Callable[[Any], Any] | None = None) -> MegatronEngine:
     """A :class:`MegatronEngine` of the Hugging Face model ``hf_config`` / ``hf_state`` (its ``state_dict``, HF names;
     this rank loads its tensor shard and pipeline stage), after :func:`initialize_parallel` with ``layout``: the
     ``GPTModel`` of :mod:`dsrl.backends.megatron.hf_weights`, megatron-core's DDP and (distributed) optimizer, and the
-    schedule over the plan's optimizer steps."""
+    schedule over the plan's optimizer steps: ``scheduler_of(optimizer)`` (launch/train.py passes dsrl's schedule of
+    the ds_config, the DeepSpeed engine's own), else megatron-core's ``OptimizerParamScheduler`` of ``settings``.
+    Gradient clipping (``settings.clip_grad``) is megatron-core's on GPUs and :func:`clip_grad_norm_on_host` on
+    the CPU."""
     require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -335,11 +382,17 @@ def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: Bat
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer=settings.optimizer, lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
         adam_beta1=settings.betas[0], adam_beta2=settings.betas[1], adam_eps=settings.eps,
-        clip_grad=settings.clip_grad if on_gpu else 0.0, use_distributed_optimizer=distributed), [ddp])
-    scheduler = build_param_scheduler(optimizer, total_optimizer_steps=plan.total_optimizer_steps,
-                                      max_lr=settings.lr, min_lr=settings.min_lr, warmup_steps=settings.warmup_steps,
-                                      decay_style=settings.decay_style, init_lr=settings.min_lr)
-    return MegatronEngine(ddp, optimizer, scheduler, plan, hf_config)
+        sgd_momentum=settings.sgd_momentum, clip_grad=settings.clip_grad if on_gpu else 0.0,
+        use_distributed_optimizer=distributed), [ddp], config_overrides={} if settings.decay_every_parameter else None)
+    if scheduler_of is not None:
+        scheduler = scheduler_of(optimizer)
+    else:
+        scheduler = build_param_scheduler(optimizer, total_optimizer_steps=plan.total_optimizer_steps,
+                                          max_lr=settings.lr, min_lr=settings.min_lr,
+                                          warmup_steps=settings.warmup_steps, decay_style=settings.decay_style,
+                                          init_lr=settings.min_lr)
+    return MegatronEngine(ddp, optimizer, scheduler, plan, hf_config,
+                          host_clip_grad=0.0 if on_gpu else settings.clip_grad)
 
 
 __all__ = ["MegatronEngine", "MegatronLayout", "OptimizerSettings", "ReplicatedFrozen", "build_engine",

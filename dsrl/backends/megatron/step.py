@@ -282,10 +282,15 @@ class MegatronRLStep(StepCore):
             for chunk in self.model:
                 chunk.zero_grad_buffer()
         else:
-            update_successful, grad_norm, _ = self.optimizer.step()
+            update_successful, grad_norm = self._optimizer_step()
             applied = bool(update_successful)
         self.driver.after_optimizer_step(applied, counts.samples)
         return Update(applied, grad_norm, lr, {"scheduler_position": self.driver.position})
+
+    def _optimizer_step(self) -> tuple[bool, Any]:
+        """megatron-core's ``optimizer.step()``: ``(update successful, gradient norm or None)``."""
+        update_successful, grad_norm, _ = self.optimizer.step()
+        return update_successful, grad_norm
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

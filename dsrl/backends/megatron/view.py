@@ -139,9 +139,12 @@ def megatron_view(
     if pp_size > 1:
         pipeline = PipelineView(size=pp_size, is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
                                 group=ps.get_pipeline_model_parallel_group(),
-                                last_stage_global_rank=ps.get_pipeline_model_parallel_last_rank())
+                                last_stage_global_rank=ps.get_pipeline_model_parallel_last_rank(),
+                                stage=ps.get_pipeline_model_parallel_rank())
     # f multiplies each rank's gradient before the sum over the group: the scale that undoes it is 1/f.
     return ParallelView(count_group=group, grad_scale=1.0 / f, data_parallel_size=ps.get_data_parallel_world_size(),
                         data_parallel_rank=ps.get_data_parallel_rank(), tensor_parallel_size=tp_size,
+                        tensor_parallel_rank=ps.get_tensor_model_parallel_rank(),
+                        tensor_parallel_group=ps.get_tensor_model_parallel_group() if tp_size > 1 else None,
                         sequence_parallel_size=cp_size, sequence_parallel_rank=cp_rank, pipeline=pipeline,
                         description=desc)

@@ -1,16 +1,16 @@
 """Who generates, keeps, sends and trains on which data: the one place that decides it.
 
-A *replica* is the set of ranks that hold one copy of the model (its tensor-parallel peers and,
-with Ulysses, its sequence-parallel peers); ``view.data_parallel_rank`` is its index, ``D =
-view.data_parallel_size`` their number (:class:`dsrl.core.parallel.ParallelView`). The rules:
+A *replica* is the set of ranks that hold one copy of the model (its tensor-parallel peers, with
+Ulysses or Megatron's CP its sequence-parallel peers, and its pipeline stages); ``view.data_parallel_rank``
+is its index, ``D = view.data_parallel_size`` their number (:class:`dsrl.core.parallel.ParallelView`). The rules:
 
 1. prompts and generation seeds are chosen per replica (``ExperienceMaker`` slices the P prompts of
    a rollout by replica and seeds from it), so every rank of a replica generates the same thing and
    runs the same sharded forwards in lockstep (the hf backend's synchronized stop,
    ``dsrl.rollout.policy.TensorPeersStop``, keeps tensor peers together even if their sampling drifted);
-2. one rank per replica is its *source* (tensor and sequence rank 0). After generation the tensor
-   peers adopt the source's scored samples (:func:`share_with_tensor_peers`), so they hold identical
-   data even if a reward function is not deterministic, and the later log-prob forwards see
+2. one rank per replica is its *source* (tensor and sequence rank 0, first pipeline stage). After
+   generation the tensor peers adopt the source's scored samples (:func:`share_with_tensor_peers`), so
+   they hold identical data even if a reward function is not deterministic, and the later log-prob forwards see
    identical shapes;
 3. the rollout is the concatenation of the sources' samples in global rank order (sample ``i`` of
    the rollout is the ``i``-th in that order): tensor peers never contribute duplicates, and the
@@ -51,8 +51,10 @@ Partition = list[list[list[int]]]  # dsrl.core.partition: partition[replica][mic
 
 
 def is_source(view: ParallelView) -> bool:
-    """Whether this rank holds its replica's canonical copy of the data (rule 2)."""
-    return view.tensor_parallel_rank == 0 and view.sequence_parallel_rank == 0
+    """Whether this rank holds its replica's canonical copy of the data (rule 2): tensor and sequence rank 0, and
+    the first of its pipeline stages (every stage of a replica trains on the same samples)."""
+    first_stage = view.pipeline is None or view.pipeline.stage == 0
+    return view.tensor_parallel_rank == 0 and view.sequence_parallel_rank == 0 and first_stage
 
 
 def share_with_tensor_peers(view: ParallelView, make: Callable[[], T]) -> T:

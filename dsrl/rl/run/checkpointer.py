@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 
@@ -49,8 +50,13 @@ class Checkpointer:
 
     def __init__(self, actor: PolicyActor, critic: Critic | NoCritic, state: RunState, run_dir: RunDir,
                  run: RunConfig, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, watch: PhaseWatch,
-                 stop: StopControl, memory: StateOffload, peers: Peers, rank: int, world: int):
+                 stop: StopControl, memory: StateOffload, peers: Peers, rank: int, world: int,
+                 live_export: Callable[[str], None] | None = None):
+        """``live_export(out)``: how the final model is written when no offline export of its checkpoint exists
+        (the Megatron engine: its live weights through the rollout model, :func:`dsrl.rl.run.engines.
+        final_model_writer`); collective. None: :func:`dsrl.checkpoint.export.export_checkpoint` on rank 0."""
         self.actor, self.critic, self.state, self.run_dir, self.memory = actor, critic, state, run_dir, memory
+        self.live_export = live_export
         self.run, self.model, self.tokenizer = run, model, tokenizer
         self.watch, self.stop, self.peers, self.rank, self.world = watch, stop, peers, rank, world
         self.ckpt_dir = os.path.join(run.output_dir, CHECKPOINT_SUBDIR)
@@ -104,7 +110,10 @@ class Checkpointer:
         out = os.path.join(self.run.output_dir, FINAL_MODEL)
         try:
             with self.watch.phase("export"), timeouts.patience(4 * 3600.0):
-                collectives.on_rank0(lambda: export_checkpoint(tag_dir, out, overwrite=True, checksums=False))
+                if self.live_export is not None:
+                    self.live_export(out)
+                else:
+                    collectives.on_rank0(lambda: export_checkpoint(tag_dir, out, overwrite=True, checksums=False))
         except (ConfigError, RunError) as e:
             if self.rank == 0:
                 log.warning("run.export_final: could not export %s: %s", tag_dir, e)

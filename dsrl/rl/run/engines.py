@@ -4,18 +4,29 @@ Every other room and module of the application works on the :class:`dsrl.core.en
 policy actor receives a function that makes its engine of the model, the critic receives its engine, the reward
 model and the KL reference are placed by the policy's engine (:meth:`TrainEngine.frozen`), and a generator rank
 receives what it needs to know of the trainers' engine (the data-parallel replicas its calls serve, whether the
-accelerator is a GPU). Today the engine is DeepSpeed's (:mod:`dsrl.backends.deepspeed`); a second engine is chosen
-here and nowhere else. tests/unit/test_layout.py holds every other module of ``dsrl.rl`` to that.
+accelerator is a GPU). ``dsrl.engine.kind`` chooses, here and nowhere else:
+
+- ``"deepspeed"``: :func:`dsrl.backends.deepspeed.engine.prepare` / ``initialize`` (an :class:`EngineSpec`);
+- ``"megatron"``: a :class:`MegatronSpec` (the plan over ``world / (TP x PP)`` replicas, megatron-core's optimizer of
+  the ds_config's, dsrl's schedule of the run file: the same learning rate at every step as on DeepSpeed), and
+  :func:`dsrl.backends.megatron.engine.build_engine` of the policy's HF model, which stays on every rank as the
+  rollout model's replica (:func:`rollout_backend`).
+
+tests/unit/test_layout.py holds every other module of ``dsrl.rl`` to that.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from dsrl.backends.deepspeed.config import data_parallel_size
 from dsrl.backends.deepspeed.engine import EngineSpec, initialize, on_gpu, prepare
+from dsrl.backends.deepspeed.schedule import PlannedScheduler, ScheduleSpec
 from dsrl.config import Config, ConfigError
+from dsrl.config.engine import MEGATRON_ENGINE
+from dsrl.core.plan import BatchPlan
 from dsrl.rl.critic import NO_CRITIC, Critic, NoCritic, build_value_model, critic_config
 from dsrl.runtime.phases import PhaseClock
 
@@ -28,11 +39,129 @@ if TYPE_CHECKING:
     from dsrl.core.engine import TrainEngine
     from dsrl.rl.disagg.generator import GeneratorWorker
     from dsrl.rl.disagg.roles import Role
+    from dsrl.rl.policy.rollout_side import RolloutSide
+    from dsrl.rollout.base import RolloutBackend
 
 
-def engine_builder(spec: EngineSpec) -> Callable[[torch.nn.Module], TrainEngine]:
-    """``build(model)``: the policy's training engine of ``model``, from the run's checked :class:`EngineSpec`."""
+@dataclass(frozen=True)
+class MegatronSpec:
+    """Everything the Megatron engine is built from besides the model, derived and checked once per run
+    (:func:`prepare_engine`): the plan over the data-parallel replicas, the resolved ds_config (its monitors), dsrl's
+    schedule, megatron-core's layout and optimizer settings."""
+
+    config: Config
+    plan: BatchPlan
+    ds_config: dict[str, Any]
+    schedule: ScheduleSpec
+    layout: Any  # dsrl.backends.megatron.engine.MegatronLayout
+    settings: Any  # dsrl.backends.megatron.engine.OptimizerSettings
+    on_gpu: bool
+
+
+def prepare_engine(cfg: Config, world: int, dataset_size: int | None, gpu: bool) -> EngineSpec | MegatronSpec:
+    """The policy engine's spec of the run file on ``world`` ranks, before any model exists: every configuration
+    error of its engine is raised here, naming its field."""
+    if cfg.dsrl.engine.kind != MEGATRON_ENGINE:
+        return prepare(cfg, dataset_size=dataset_size, on_gpu=gpu)
+    from dsrl.backends.deepspeed.config import resolve_deepspeed_config
+    from dsrl.backends.deepspeed.schedule import base_lr, schedule_spec
+    from dsrl.backends.deepspeed.validation import check_schedule
+    from dsrl.backends.megatron.deps import require_megatron
+    from dsrl.backends.megatron.run_file import layout_of, optimizer_settings
+
+    require_megatron()
+    engine = cfg.dsrl.engine
+    replica = engine.model_parallel_size
+    if world % replica:
+        raise ConfigError(f"dsrl.engine: tensor_model_parallel_size x pipeline_model_parallel_size = {replica} ranks "
+                          f"per model replica does not divide the job's {world} ranks. Fix: launch a multiple of "
+                          f"{replica} ranks, or change the sizes.")
+    if gpu or cfg.dsrl.model.dtype not in ("auto", "float32"):
+        raise ConfigError(f"dsrl.engine.kind = 'megatron' with dsrl.model.dtype = {cfg.dsrl.model.dtype!r} "
+                          f"{'on a GPU ' if gpu else ''}: the Megatron engine trains in float32 under launch/train.py "
+                          "(its mixed precision is not built yet). Fix: set dsrl.model.dtype to 'float32'.")
+    plan = BatchPlan.from_config(cfg, world // replica, dataset_size)
+    settings = optimizer_settings(cfg.ds_config)
+    ds = resolve_deepspeed_config(cfg, plan, on_gpu=gpu)
+    schedule = schedule_spec(cfg, plan.total_optimizer_steps)
+    check_schedule(schedule, None, base_lr(cfg), plan.total_optimizer_steps)
+    return MegatronSpec(cfg, plan, ds, schedule, layout_of(engine), settings, gpu)
+
+
+class PlannedParamScheduler:
+    """dsrl's schedule (:class:`PlannedScheduler`: the ds_config's ``"scheduler"`` or ``dsrl.scheduler`` over the
+    plan's horizon) in the shape megatron's step drives (:class:`dsrl.backends.megatron.schedule.SchedulerDriver`:
+    ``step(increment)``, ``num_steps``, ``state_dict``), so optimizer step k has the LR it has on DeepSpeed."""
+
+    def __init__(self, planned: PlannedScheduler):
+        self.planned = planned
+
+    @property
+    def num_steps(self) -> int:
+        return self.planned.steps
+
+    @num_steps.setter
+    def num_steps(self, value: int) -> None:  # the driver resets the position before a load
+        self.planned.steps = int(value)
+
+    def step(self, increment: int = 1) -> None:
+        for _ in range(int(increment)):
+            self.planned.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.planned.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.planned.load_state_dict(state)
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under megatron-core's wrapper (its param groups carry the LR the step uses)."""
+    import torch
+
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise RuntimeError(f"megatron-core built a {type(optimizer).__name__} with no single torch optimizer under it "
+                           "(several parameter groups of different kinds?); dsrl's schedule drives one")
+    return inner
+
+
+def _build_megatron(model: torch.nn.Module, spec: MegatronSpec) -> TrainEngine:
+    from deepspeed.monitor.config import get_monitor_config
+    from deepspeed.monitor.monitor import MonitorMaster
+
+    from dsrl.backends.megatron.engine import build_engine, initialize_parallel
+
+    initialize_parallel(spec.layout, seed=spec.config.dsrl.run.seed)
+    engine = build_engine(model.config, model.state_dict(), spec.plan, spec.layout, spec.settings,
+                          on_gpu=spec.on_gpu,
+                          scheduler_of=lambda opt: PlannedParamScheduler(PlannedScheduler(spec.schedule,
+                                                                                          _torch_optimizer(opt))))
+    engine.monitor = MonitorMaster(get_monitor_config(spec.ds_config))
+    return engine
+
+
+def engine_builder(spec: EngineSpec | MegatronSpec) -> Callable[[torch.nn.Module], TrainEngine]:
+    """``build(model)``: the policy's training engine of ``model``, from the run's checked spec. The Megatron engine
+    copies the model's weights into its shards and leaves ``model`` itself as the rollout model."""
+    if isinstance(spec, MegatronSpec):
+        return functools.partial(_build_megatron, spec=spec)
     return functools.partial(initialize, config=spec)
+
+
+def rollout_backend(spec: EngineSpec | MegatronSpec, side: RolloutSide, engine: TrainEngine,
+                    prompts_per_call: int) -> RolloutBackend:
+    """The colocated run's rollout backend: on DeepSpeed it generates with the engine (its own module); on Megatron
+    with the rollout side's HF model, a full replica on every rank whose ``sync_weights`` copies
+    :meth:`MegatronEngine.hf_weights` into it whenever the engine has stepped (:class:`dsrl.rollout.replica.
+    ReplicaSync`)."""
+    if not isinstance(spec, MegatronSpec):
+        return side.backend(engine, prompts_per_call)
+    from dsrl.rollout.replica import ReplicaSync
+
+    hf_weights = engine.hf_weights  # type: ignore[attr-defined]  # MegatronEngine's
+    return ReplicaSync(side.backend(side.model, prompts_per_call), side.model, hf_weights,
+                       lambda: engine.optimizer_steps)
 
 
 def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec | None:
@@ -67,3 +196,32 @@ def start_generator(cfg: Config, role: Role) -> GeneratorWorker:
         return data_parallel_size(cfg.ds_config, role.trainers)
 
     return GeneratorWorker.start(cfg, role, on_gpu=on_gpu(), trainer_replicas=replicas)
+
+
+def final_model_writer(spec: EngineSpec | MegatronSpec, side: RolloutSide, engine: TrainEngine,
+                       tokenizer: PreTrainedTokenizerBase) -> Callable[[str], None] | None:
+    """How ``run.export_final`` writes the Megatron engine's final model (None on DeepSpeed, whose checkpoints export
+    offline): every rank copies the engine's weights into the rollout side's HF model (a collective stream), and rank
+    0 saves that model and the tokenizer to ``out`` (written beside it, then renamed into place)."""
+    if not isinstance(spec, MegatronSpec):
+        return None
+
+    def write(out: str) -> None:
+        import os
+        import shutil
+
+        import torch.distributed as dist
+
+        from dsrl.rollout.replica import copy_weights
+
+        copy_weights(side.model, engine.hf_weights())  # type: ignore[attr-defined]  # MegatronEngine's
+        if dist.get_rank() == 0:
+            tmp = f"{out}.tmp.{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            side.model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            os.rename(tmp, out)
+        dist.barrier()
+
+    return write

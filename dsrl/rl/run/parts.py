@@ -35,7 +35,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import PreTrainedTokenizerBase
 
 from dsrl import algos
-from dsrl.backends.deepspeed.engine import EngineSpec, ensure_distributed, on_gpu, prepare
+from dsrl.backends.deepspeed.engine import EngineSpec, ensure_distributed, on_gpu
 from dsrl.backends.deepspeed.offload import StateOffload
 from dsrl.checkpoint.output_lock import release_all
 from dsrl.checkpoint.run_dir import RunDir, check_free_space, open_run_dir
@@ -58,7 +58,15 @@ from dsrl.rl.policy.rollout_side import RolloutSide, RolloutSideSettings
 from dsrl.rl.rewards.contract import RewardCaller
 from dsrl.rl.rewards.scoring import Scorer
 from dsrl.rl.run.checkpointer import Checkpointer
-from dsrl.rl.run.engines import build_critic, engine_builder, prepare_critic
+from dsrl.rl.run.engines import (
+    MegatronSpec,
+    build_critic,
+    engine_builder,
+    final_model_writer,
+    prepare_critic,
+    prepare_engine,
+    rollout_backend,
+)
 from dsrl.rl.run.state import RunState
 from dsrl.rl.run.stopping import StopPolicy
 from dsrl.rollout.base import RolloutBackend
@@ -116,7 +124,7 @@ class CheckedRun:
     prompts: PromptSource
     reward_fn: RewardCaller | None
     environment: EnvironmentCaller | None
-    spec: EngineSpec
+    spec: EngineSpec | MegatronSpec
     critic_spec: EngineSpec | None
     moe_layout: MoELayout | None
     eval_prompts: EvalPrompts | None  # None: no evaluation during training (eval.every = 0)
@@ -140,7 +148,7 @@ def check_run(cfg: Config, world: int, gpu: bool, role: Role | None) -> CheckedR
     reward_fn = load_reward_fn(d.data) if d.data.has_rule_reward else None
     environment = load_environment(d.data)  # multi-turn rollouts (dsrl.rl.episodes.driver), or None
     match_deepspeed_precision(cfg.ds_config, resolve_dtype(d.model.dtype, gpu))
-    spec = prepare(cfg, dataset_size=len(prompts), on_gpu=gpu)
+    spec = prepare_engine(cfg, world, len(prompts), gpu)  # dsrl.engine.kind chooses (dsrl.rl.run.engines)
     critic_spec = prepare_critic(cfg, world, len(prompts), gpu)  # None: no critic
     side.check_context_length()  # from the model's config, before its weights are read
     baseline = resident_mib()  # the CPU's measure of what the run allocates is relative to this
@@ -218,7 +226,7 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
 
         backend = RemoteRolloutBackend(role, actor.engine, d.rollout, d.run, d.memory, plan, prompts, stop)
     else:
-        backend = side.backend(actor.engine, plan.prompts_per_rank)
+        backend = rollout_backend(checked.spec, side, actor.engine, plan.prompts_per_rank)
     # phase ends bounded, missing ranks named, waits reported (dsrl.runtime.watchdog)
     watch = Watch(d.run.collective_timeout_s, d.run.wait_report_s, peers=peers)
     episodes = None
@@ -236,7 +244,8 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
                                  tok.pad_token_id, critic=critic, episodes=episodes, watch=watch, phases=phases)
     state = RunState(prompts.sampler, EmptyRollouts(d.run.max_empty_rollouts))
     checkpointer = Checkpointer(actor, critic, state, run_dir, d.run, d.model, tok, watch=watch, stop=stop,
-                                memory=memory, peers=peers, rank=rank, world=world)
+                                memory=memory, peers=peers, rank=rank, world=world,
+                                live_export=final_model_writer(checked.spec, side, actor.engine, tok))
     resumed = checkpointer.resume()
     metrics = MetricsWriter(d.run.output_dir, rank, actor.engine.monitor,
                             resume_at=(state.rollout, actor.engine.optimizer_steps) if resumed else None)
