@@ -59,7 +59,14 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     if world_size <= 0:
         raise ConfigError(f"--world_size {world_size} must be a positive number of ranks")
     trainers = trainer_world_size(cfg, world_size)  # disaggregated: the generator ranks do not train
-    prepared = prepare(cfg, world_size=trainers, dataset_size=dataset_size, on_gpu=on_gpu)
+    engine = cfg.dsrl.engine
+    if engine.kind == "megatron":  # the plan over world / (TP x PP) replicas (dsrl.rl.run.engines)
+        from dsrl.backends.deepspeed.engine import on_gpu as accelerator_is_gpu
+        from dsrl.rl.run.engines import prepare_engine
+
+        prepared: Any = prepare_engine(cfg, trainers, dataset_size, accelerator_is_gpu() if on_gpu is None else on_gpu)
+    else:
+        prepared = prepare(cfg, world_size=trainers, dataset_size=dataset_size, on_gpu=on_gpu)
     plan, spec, on_gpu = prepared.plan, prepared.schedule, prepared.on_gpu
     if cfg.dsrl.has_critic:
         from dsrl.rl.run.engines import prepare_critic
@@ -69,6 +76,9 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
     first, last = lr_curve(spec, lr if lr is not None else 1.0, [1, plan.total_optimizer_steps])
     extra: dict[str, Any] = {
         "world_size": world_size,
+        "engine": engine.kind,
+        **({"tensor_model_parallel_size": engine.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": engine.pipeline_model_parallel_size} if engine.kind == "megatron" else {}),
         "trainer_ranks": trainers,
         "generator_ranks": world_size - trainers,
         "tensor_parallel_size": tensor_parallel_size(cfg.ds_config),
@@ -198,14 +208,22 @@ def cmd_plan(argv: list[str]) -> int:
         return _memory_verdict(memory)
     rows = plan.describe()
     ds = plan.deepspeed_batch_fields()
-    rows.insert(1, ("ranks per replica", f"{extra['tensor_parallel_size'] * extra['sequence_parallel_size']} "
-                                         f"(autotp_size {extra['tensor_parallel_size']} x sequence_parallel_size "
-                                         f"{extra['sequence_parallel_size']}); D = world / that"))
+    if extra["engine"] == "megatron":
+        tp, pp = extra["tensor_model_parallel_size"], extra["pipeline_model_parallel_size"]
+        rows.insert(1, ("ranks per replica", f"{tp * pp} (Megatron engine: tensor {tp} x pipeline {pp}); D = world / "
+                                             "that"))
+        rows.append(("training engine", f"megatron-core on the {extra['accelerator']}, the ds_config's optimizer"))
+    else:
+        rows.insert(1, ("ranks per replica", f"{extra['tensor_parallel_size'] * extra['sequence_parallel_size']} "
+                                             f"(autotp_size {extra['tensor_parallel_size']} x sequence_parallel_size "
+                                             f"{extra['sequence_parallel_size']}); D = world / that"))
+        rows += [
+            ("ds_config validated for", f"the {extra['accelerator']} accelerator (DeepSpeed's own config classes)"),
+            ("DeepSpeed train_batch_size", str(ds["train_batch_size"])),
+            ("DeepSpeed train_micro_batch_size_per_gpu", str(ds["train_micro_batch_size_per_gpu"] or "varies")),
+            ("DeepSpeed gradient_accumulation_steps", str(ds["gradient_accumulation_steps"] or "varies")),
+        ]
     rows += [
-        ("ds_config validated for", f"the {extra['accelerator']} accelerator (DeepSpeed's own config classes)"),
-        ("DeepSpeed train_batch_size", str(ds["train_batch_size"])),
-        ("DeepSpeed train_micro_batch_size_per_gpu", str(ds["train_micro_batch_size_per_gpu"] or "varies")),
-        ("DeepSpeed gradient_accumulation_steps", str(ds["gradient_accumulation_steps"] or "varies")),
         ("rollout backend", f"{extra['rollout_backend']} ({extra['rollout_backend_reason']})"),
         *([("generation workload", extra["rollout_workload"])] if extra["rollout_workload"] else []),
         ("LR schedule", extra["scheduler"]),

@@ -172,3 +172,22 @@ def test_a_weight_the_rollout_model_lacks_or_never_gets_is_named():
         copy_weights(replica, iter(partial.items()))
     with pytest.raises(ValueError, match=r"'0.bias' has shape \(3,\), the rollout model's \(4,\)"):
         copy_weights(replica, iter([("0.bias", torch.zeros(3))]))
+
+
+def test_the_plan_counts_megatron_replicas_and_refuses_what_the_engine_cannot_run():
+    pytest.importorskip("megatron.core")
+    from dsrl.cli.main import build_plan_report
+    from dsrl.rl.run.engines import prepare_engine
+
+    cfg = load_config(str(MEGATRON_RUN_FILE))
+    plan, extra = build_plan_report(cfg, 4, 512, on_gpu=False)
+    assert plan.data_parallel_size == 2 and extra["engine"] == "megatron"
+    assert extra["tensor_model_parallel_size"] == 2
+    with pytest.raises(ConfigError, match=r"2 ranks per model replica does not divide the job's 3 ranks"):
+        prepare_engine(cfg, 3, 512, gpu=False)
+    with pytest.raises(ConfigError, match=r"dtype = 'auto' \(bfloat16 on a GPU\).*Fix: set dsrl.model.dtype"):
+        prepare_engine(cfg, 2, 512, gpu=True)
+    raw = _raw(kind="megatron")
+    raw["dsrl"]["data"]["reward_model"] = "runs/rm"
+    with pytest.raises(ConfigError, match=r"a learned reward model beside the Megatron engine is not tested yet"):
+        prepare_engine(load_config(raw), 2, 512, gpu=False)

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 
 def require_megatron() -> None:
-    """Raise a clear ImportError when megatron-core is missing."""
+    """Raise a clear ImportError when megatron-core is missing. Its import-time notices that Transformer Engine and Apex
+    are absent (it falls back to torch's optimizers and kernels, which dsrl uses on purpose) are not repeated."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the environment

@@ -76,10 +76,19 @@ def prepare_engine(cfg: Config, world: int, dataset_size: int | None, gpu: bool)
         raise ConfigError(f"dsrl.engine: tensor_model_parallel_size x pipeline_model_parallel_size = {replica} ranks "
                           f"per model replica does not divide the job's {world} ranks. Fix: launch a multiple of "
                           f"{replica} ranks, or change the sizes.")
-    if gpu or cfg.dsrl.model.dtype not in ("auto", "float32"):
-        raise ConfigError(f"dsrl.engine.kind = 'megatron' with dsrl.model.dtype = {cfg.dsrl.model.dtype!r} "
-                          f"{'on a GPU ' if gpu else ''}: the Megatron engine trains in float32 under launch/train.py "
-                          "(its mixed precision is not built yet). Fix: set dsrl.model.dtype to 'float32'.")
+    import torch
+
+    from dsrl.rl.policy.model import resolve_dtype
+
+    if resolve_dtype(cfg.dsrl.model.dtype, gpu) != torch.float32:
+        raise ConfigError(f"dsrl.engine.kind = 'megatron' with dsrl.model.dtype = {cfg.dsrl.model.dtype!r}"
+                          f"{' (bfloat16 on a GPU)' if cfg.dsrl.model.dtype == 'auto' else ''}: the Megatron engine "
+                          "trains in float32 under launch/train.py (its mixed precision is not built yet). Fix: set "
+                          "dsrl.model.dtype to 'float32'.")
+    if cfg.dsrl.data.reward_model:
+        raise ConfigError("dsrl.data.reward_model with dsrl.engine.kind = 'megatron': a learned reward model beside "
+                          "the Megatron engine is not tested yet. Fix: use a rule-based reward (dsrl.data.reward_fn), "
+                          "or dsrl.engine.kind 'deepspeed'.")
     plan = BatchPlan.from_config(cfg, world // replica, dataset_size)
     settings = optimizer_settings(cfg.ds_config)
     ds = resolve_deepspeed_config(cfg, plan, on_gpu=gpu)
@@ -160,8 +169,8 @@ def rollout_backend(spec: EngineSpec | MegatronSpec, side: RolloutSide, engine: 
     from dsrl.rollout.replica import ReplicaSync
 
     hf_weights = engine.hf_weights  # type: ignore[attr-defined]  # MegatronEngine's
-    return ReplicaSync(side.backend(side.model, prompts_per_call), side.model, hf_weights,
-                       lambda: engine.optimizer_steps)
+    replica = side.on_generator_device() if spec.on_gpu else side.model  # not run on a GPU yet
+    return ReplicaSync(side.backend(replica, prompts_per_call), replica, hf_weights, lambda: engine.optimizer_steps)
 
 
 def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec | None:
