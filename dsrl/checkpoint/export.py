@@ -208,6 +208,10 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
     ckpt_dir, tag = resolve(source, checksums)
     engine_dir = os.path.join(ckpt_dir, tag) if engine is None else os.path.join(ckpt_dir, tag, engine)
     meta = os.path.join(engine_dir, HF_META)
+    if os.path.isdir(os.path.join(engine_dir, "megatron")):
+        raise ConfigError(f"{engine_dir} was written by the Megatron engine (dsrl.engine.kind = 'megatron'): "
+                          "exporting its dist-checkpoint offline is not built yet. Fix: use the run's own final model, "
+                          "written from the live weights at its end (run.export_final: <output_dir>/final_model).")
     if not os.path.isfile(os.path.join(meta, "config.json")):
         raise ConfigError(f"{engine_dir} has no {HF_META}/config.json (written by dsrl with every checkpoint since "
                           "export existed). Fix: export a newer checkpoint, or copy the model's config.json and "

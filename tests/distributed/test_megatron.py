@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, free_port
+from conftest import EXTENDED, REPO, free_port
 
 pytest.importorskip("megatron.core")
 
@@ -171,7 +171,7 @@ print("INV", inv[:3].tolist())
 """
 
 
-@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("planted", [False, pytest.param(True, marks=EXTENDED)])
 def test_the_cpu_shim_leaves_from_pretrained_intact(tmp_path, planted):
     """With the CPU shim installed before transformers is imported (as launch/train.py on the Megatron engine does),
     from_pretrained still builds a Llama's rotary frequencies: torch's device context knows its own factory functions,

@@ -122,3 +122,9 @@ def test_a_stopped_run_resumes_bit_for_bit_and_exports(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(whole / "final_model")
     state = model.state_dict()
     assert all(torch.equal(state[k], a[k]) for k in a)  # what transformers loads is what was exported
+
+    from dsrl.checkpoint.export import export_checkpoint
+    from dsrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"written by the Megatron engine .* not built yet. Fix: use the run's own"):
+        export_checkpoint(str(parts), str(tmp_path / "exported"))  # an offline export is refused, with the way out
