@@ -1,7 +1,8 @@
 """Generation on a replica of a policy that trains elsewhere: :class:`ReplicaSync`.
 
 The Megatron engine's model is split over tensor and pipeline ranks and does not generate. Each rank keeps the
-policy's Hugging Face model as a full replica, and a local backend (``hf``, ``cb``, ``auto``) generates with it.
+policy's Hugging Face model as a full replica, and a local backend (``hf``, ``cb``, ``auto``) generates with it, or
+vLLM is loaded from it (its own ``sync_weights`` reads the replica after the copy: two copies of the weights).
 Invariants:
 
 - before a generation (``sync_weights``, every rank, before each rollout and each evaluation) the replica holds the
@@ -12,7 +13,7 @@ Invariants:
   before a rollout, or a backend with other sampling settings (:meth:`ReplicaSync.with_sampling`), shares the
   copy. The stream is collective (gathers over the tensor group, broadcasts over the pipeline), and the step count
   is the same on every rank, so every rank copies or none does;
-- ``weight_sync_s`` and ``weight_sync_bytes`` of the last copy are reported with the backend's own timings.
+- ``weight_sync_s`` and ``weight_sync_bytes`` of the last copy are added to the inner backend's own (vLLM's reload).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ class ReplicaSync(RolloutBackend):
         self.inner.sleep()
 
     def take_timing(self) -> dict[str, float]:
+        """The inner backend's timings, with the replica's copy added to its own weight sync (vLLM's reload)."""
         timing, self.synced.timing = self.synced.timing, {}
-        return {**self.inner.take_timing(), **timing}
+        inner = self.inner.take_timing()
+        return {**inner, **{k: v + inner.get(k, 0.0) for k, v in timing.items()}}
 
     def close(self) -> None:
         self.inner.close()

@@ -24,7 +24,7 @@ Checkpoints go through megatron-core's dist-checkpointing (:meth:`MegatronEngine
 (:mod:`dsrl.rl.run.engines`), with the ds_config's optimizer (:mod:`dsrl.backends.megatron.run_file`), dsrl's
 schedule and, on the CPU, dsrl's gradient clipping (:func:`clip_grad_norm_on_host`). Not built yet (ARCHITECTURE §4
 "(engine)"; issue 40): context, expert and sequence parallelism (refused by :class:`MegatronLayout`), mixed
-precision, the critic, and generator ranks or vLLM fed from it.
+precision, the critic, and generator ranks fed from it.
 """
 
 from __future__ import annotations
