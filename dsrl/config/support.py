@@ -322,9 +322,6 @@ RULES: tuple[Rule, ...] = (
     Rule("megatron-disaggregated", {"engine": _MEGATRON, "placement": _DISAGG},
          "dsrl.rollout.placement = 'disaggregated' with dsrl.engine.kind = 'megatron': the trainers' weight stream to "
          "generator ranks is not built from the Megatron engine yet. Fix: use placement 'colocated'."),
-    Rule("megatron-multi-turn", {"engine": _MEGATRON, "multi_turn": Is(True)},
-         "dsrl.data.environment (multi-turn rollouts) with dsrl.engine.kind = 'megatron': not tested on the Megatron "
-         "engine yet. Fix: use dsrl.engine.kind 'deepspeed' for multi-turn runs."),
 )
 
 
