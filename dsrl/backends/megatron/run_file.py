@@ -31,7 +31,9 @@ def layout_of(engine: EngineConfig) -> MegatronLayout:
 def optimizer_settings(ds_config: dict[str, Any]) -> OptimizerSettings:
     """megatron-core's optimizer for the ds_config's ``"optimizer"`` (Adam, AdamW, SGD) and ``"gradient_clipping"``:
     AdamW with decoupled weight decay on every parameter (DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is
-    false), SGD with its momentum. Every problem at once, as one ConfigError."""
+    false), SGD with its momentum, and the clipping DeepSpeed would apply (its default when unset). Adam's
+    weight decay must be given: DeepSpeed's default differs between its CPU and GPU classes. Every problem at once,
+    as one ConfigError."""
     problems: list[str] = []
     section = ds_config.get("optimizer")
     if not isinstance(section, dict) or "type" not in section:
@@ -55,7 +57,13 @@ def optimizer_settings(ds_config: dict[str, Any]) -> OptimizerSettings:
         problems.append(f"ds_config optimizer.params.lr = {lr!r}: the Megatron engine needs a positive learning "
                         "rate. Fix: set it.")
         lr = 1.0
-    clip = ds_config.get("gradient_clipping", 0.0)
+    if name == "adam" and "weight_decay" not in params:
+        problems.append("ds_config optimizer.params.weight_decay is unset with dsrl.engine.kind = 'megatron': "
+                        "DeepSpeed's default depends on the class it builds (torch's AdamW: 0.01 on the CPU; "
+                        "FusedAdam: 0 on GPUs), so the two engines would differ. Fix: set it, e.g. 0.0.")
+    from deepspeed.runtime.config import get_gradient_clipping
+
+    clip = get_gradient_clipping(ds_config)  # DeepSpeed's own reading, with its default (1.0 in 0.19)
     if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
         problems.append(f"ds_config gradient_clipping = {clip!r} must be a number >= 0 (0: no clipping).")
         clip = 0.0
