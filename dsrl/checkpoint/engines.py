@@ -41,18 +41,18 @@ def save_engines(rl: TrainEngine, save_dir: str, tag: str, client_state: dict[st
     """Atomic checkpoint of ``rl`` (engine + schedule + ``client_state`` + per-rank state) and its companions,
     with ``model`` (:func:`dsrl.checkpoint.adapters.record`) in its manifest; returns the committed checkpoint's
     directory. Collective: every rank calls it."""
-    state = {"engine": rl.state_dict(), "client": client_state or {}}
     others = {name: (c.engine, {"engine": c.state_dict()}, engine_layout(c).to_dict())
               for name, c in (companions or {}).items()}
-    if not isinstance(rl, RLEngine):  # the Megatron engine (dsrl.checkpoint.megatron_files)
+    target: Any
+    if isinstance(rl, RLEngine):
+        target, layout = rl.engine, engine_layout(rl).to_dict()
+        state = {"engine": rl.state_dict(), "client": client_state or {}}
+    else:  # the Megatron engine, whose dist-checkpoint holds its step state (dsrl.checkpoint.megatron_files)
         from dsrl.checkpoint.megatron_files import MegatronFiles, megatron_layout
 
-        return commit.save(MegatronFiles(rl), save_dir, tag, state, rank_state=rank_state, keep_last=keep_last,
-                           layout=megatron_layout(rl), checksums=checksums, before_commit=before_commit,
-                           companions=others, model=model)
-    return commit.save(rl.engine, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last,
-                       layout=engine_layout(rl).to_dict(), checksums=checksums, before_commit=before_commit,
-                       companions=others, model=model)
+        target, layout, state = MegatronFiles(rl), megatron_layout(rl), {"client": client_state or {}}
+    return commit.save(target, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last, layout=layout,
+                       checksums=checksums, before_commit=before_commit, companions=others, model=model)
 
 
 def load_engines(rl: TrainEngine, load_dir: str, tag: str | None = None,
@@ -73,8 +73,7 @@ def load_engines(rl: TrainEngine, load_dir: str, tag: str | None = None,
         from dsrl.checkpoint.megatron_files import MegatronFiles, check_same_layout
 
         check_same_layout(manifest.engine_layout(where), rl, where)
-        _, state, rank_state = commit.load(MegatronFiles(rl), load_dir, tag)
-        rl.load_state_dict(state["engine"])
+        _, state, rank_state = commit.load(MegatronFiles(rl), load_dir, tag)  # the engine's step state included
         return Resumed(tag, state.get("client", {}), rank_state)
     state, rank_state, notice = load(rl, load_dir, tag, saved_layout(where))
     rl.load_state_dict(state["engine"])

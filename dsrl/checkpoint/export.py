@@ -27,6 +27,7 @@ import glob
 import io
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -242,11 +243,21 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
     model = model.to(target)
     if os.path.isfile(os.path.join(meta, "generation_config.json")) and not adapter:
         model.generation_config = GenerationConfig.from_pretrained(meta, local_files_only=True)
+    def tokenizer(folder: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(folder)
+
+    return write_model_dir(model, out, tokenizer)  # a PEFT model (adapter=True) writes the adapter only
+
+
+def write_model_dir(model: Any, out: str, extra: Callable[[str], None] | None = None) -> str:
+    """``model.save_pretrained`` (safetensors) and ``extra(folder)`` (the tokenizer) into ``out``, written beside it
+    and renamed into place, replacing what was there: a reader finds the old directory or the whole new one."""
     tmp = f"{out}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)  # a PEFT model (adapter=True) writes the adapter only
-    with contextlib.suppress(OSError, ValueError):
-        AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if extra is not None:
+        extra(tmp)
     if os.path.exists(out):
         shutil.rmtree(out)
     os.rename(tmp, out)

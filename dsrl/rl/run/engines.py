@@ -26,7 +26,6 @@ from dsrl.backends.deepspeed.engine import EngineSpec, initialize, on_gpu, prepa
 from dsrl.backends.deepspeed.schedule import PlannedScheduler, ScheduleSpec
 from dsrl.config import Config, ConfigError
 from dsrl.config.engine import MEGATRON_ENGINE
-from dsrl.core.plan import BatchPlan
 from dsrl.rl.critic import NO_CRITIC, Critic, NoCritic, build_value_model, critic_config
 from dsrl.runtime.phases import PhaseClock
 
@@ -37,6 +36,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from dsrl.core.engine import TrainEngine
+    from dsrl.core.plan import BatchPlan
     from dsrl.rl.disagg.generator import GeneratorWorker
     from dsrl.rl.disagg.roles import Role
     from dsrl.rl.policy.rollout_side import RolloutSide
@@ -63,9 +63,6 @@ def prepare_engine(cfg: Config, world: int, dataset_size: int | None, gpu: bool)
     error of its engine is raised here, naming its field."""
     if cfg.dsrl.engine.kind != MEGATRON_ENGINE:
         return prepare(cfg, dataset_size=dataset_size, on_gpu=gpu)
-    from dsrl.backends.deepspeed.config import resolve_deepspeed_config
-    from dsrl.backends.deepspeed.schedule import base_lr, schedule_spec
-    from dsrl.backends.deepspeed.validation import check_schedule
     from dsrl.backends.megatron.deps import require_megatron
     from dsrl.backends.megatron.run_file import layout_of, optimizer_settings
 
@@ -89,12 +86,22 @@ def prepare_engine(cfg: Config, world: int, dataset_size: int | None, gpu: bool)
         raise ConfigError("dsrl.data.reward_model with dsrl.engine.kind = 'megatron': a learned reward model beside "
                           "the Megatron engine is not tested yet. Fix: use a rule-based reward (dsrl.data.reward_fn), "
                           "or dsrl.engine.kind 'deepspeed'.")
-    plan = BatchPlan.from_config(cfg, world // replica, dataset_size)
     settings = optimizer_settings(cfg.ds_config)
-    ds = resolve_deepspeed_config(cfg, plan, on_gpu=gpu)
-    schedule = schedule_spec(cfg, plan.total_optimizer_steps)
-    check_schedule(schedule, None, base_lr(cfg), plan.total_optimizer_steps)
-    return MegatronSpec(cfg, plan, ds, schedule, layout_of(engine), settings, gpu)
+    # The run file as the DeepSpeed engine reads it (the plan, the ds_config checked by DeepSpeed's own classes, the
+    # schedule), over the Megatron engine's data-parallel replicas: DeepSpeed's mpu interface says how many.
+    shared = prepare(cfg, world_size=world, mpu=_DataParallelReplicas(world // replica), dataset_size=dataset_size,
+                     on_gpu=gpu)
+    return MegatronSpec(cfg, shared.plan, shared.ds_config, shared.schedule, layout_of(engine), settings, gpu)
+
+
+class _DataParallelReplicas:
+    """What DeepSpeed's config reads of an mpu: the number of data-parallel replicas."""
+
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.replicas
 
 
 class PlannedParamScheduler:
@@ -211,26 +218,17 @@ def final_model_writer(spec: EngineSpec | MegatronSpec, side: RolloutSide, engin
                        tokenizer: PreTrainedTokenizerBase) -> Callable[[str], None] | None:
     """How ``run.export_final`` writes the Megatron engine's final model (None on DeepSpeed, whose checkpoints export
     offline): every rank copies the engine's weights into the rollout side's HF model (a collective stream), and rank
-    0 saves that model and the tokenizer to ``out`` (written beside it, then renamed into place)."""
+    0 saves that model and the tokenizer to ``out`` (:func:`dsrl.checkpoint.export.write_model_dir`); a failure
+    there (a full disk) reaches every rank as a RunError (:func:`dsrl.core.collectives.on_rank0`)."""
     if not isinstance(spec, MegatronSpec):
         return None
 
     def write(out: str) -> None:
-        import os
-        import shutil
-
-        import torch.distributed as dist
-
+        from dsrl.checkpoint.export import write_model_dir
+        from dsrl.core import collectives
         from dsrl.rollout.replica import copy_weights
 
         copy_weights(side.model, engine.hf_weights())  # type: ignore[attr-defined]  # MegatronEngine's
-        if dist.get_rank() == 0:
-            tmp = f"{out}.tmp.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            side.model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            shutil.rmtree(out, ignore_errors=True)
-            os.rename(tmp, out)
-        dist.barrier()
+        collectives.on_rank0(lambda: write_model_dir(side.model, out, tokenizer.save_pretrained))
 
     return write
