@@ -37,26 +37,27 @@ class Resumed:
 def save_engines(rl: TrainEngine, save_dir: str, tag: str, client_state: dict[str, Any] | None = None,
                  rank_state: dict[str, Any] | None = None, keep_last: int | None = None, checksums: bool = True,
                  before_commit: Callable[[str], None] | None = None,
-                 companions: dict[str, RLEngine] | None = None, model: dict[str, Any] | None = None) -> str:
+                 companions: dict[str, TrainEngine] | None = None, model: dict[str, Any] | None = None) -> str:
     """Atomic checkpoint of ``rl`` (engine + schedule + ``client_state`` + per-rank state) and its companions,
     with ``model`` (:func:`dsrl.checkpoint.adapters.record`) in its manifest; returns the committed checkpoint's
     directory. Collective: every rank calls it."""
-    others = {name: (c.engine, {"engine": c.state_dict()}, engine_layout(c).to_dict())
-              for name, c in (companions or {}).items()}
     target: Any
     if isinstance(rl, RLEngine):
         target, layout = rl.engine, engine_layout(rl).to_dict()
         state = {"engine": rl.state_dict(), "client": client_state or {}}
+        others = {name: (c.engine, {"engine": c.state_dict()}, engine_layout(c).to_dict())
+                  for name, c in (companions or {}).items()}
     else:  # the Megatron engine, whose dist-checkpoint holds its step state (dsrl.checkpoint.megatron_files)
         from dsrl.checkpoint.megatron_files import MegatronFiles, megatron_layout
 
         target, layout, state = MegatronFiles(rl), megatron_layout(rl), {"client": client_state or {}}
+        others = {name: (MegatronFiles(c), {}, megatron_layout(c)) for name, c in (companions or {}).items()}
     return commit.save(target, save_dir, tag, state, rank_state=rank_state, keep_last=keep_last, layout=layout,
                        checksums=checksums, before_commit=before_commit, companions=others, model=model)
 
 
 def load_engines(rl: TrainEngine, load_dir: str, tag: str | None = None,
-                 companions: dict[str, RLEngine] | None = None) -> Resumed:
+                 companions: dict[str, TrainEngine] | None = None) -> Resumed:
     """Resume ``rl`` from the newest complete checkpoint of ``load_dir`` (or ``tag``) and each companion from
     ``<tag>/<name>/``, on this or another number of data-parallel ranks. Collective: every rank calls it."""
     tag = tag or commit.latest_complete_tag(load_dir)
@@ -74,6 +75,9 @@ def load_engines(rl: TrainEngine, load_dir: str, tag: str | None = None,
 
         check_same_layout(manifest.engine_layout(where), rl, where)
         _, state, rank_state = commit.load(MegatronFiles(rl), load_dir, tag)  # the engine's step state included
+        for name, c in (companions or {}).items():  # the critic's engine: <tag>/<name>/megatron/
+            check_same_layout(manifest.engine_layout(where, name), c, os.path.join(where, name))
+            MegatronFiles(c).load_checkpoint(where, name)
         return Resumed(tag, state.get("client", {}), rank_state)
     state, rank_state, notice = load(rl, load_dir, tag, saved_layout(where))
     rl.load_state_dict(state["engine"])

@@ -7,9 +7,10 @@ an engine (DeepSpeed's ``save_checkpoint(base, tag, client_state, save_latest)``
   (every rank writes its shards);
 - ``<tag>/dsrl_client.pt``: the run's client state (its position, sampler, counters), written by rank 0 atomically.
 
-The commit then adds the per-rank files, the manifest (with :func:`megatron_layout`) and the ``COMPLETE`` marker as
-for DeepSpeed. A resume needs the layout the checkpoint was written with (tensor, pipeline and data-parallel
-sizes): resharding on load is not built yet, and a changed layout is refused with the sizes.
+A companion engine (the critic's, a second :class:`MegatronEngine` in the same layout) writes the same two files
+under ``<tag>/<name>/``. The commit then adds the per-rank files, the manifest (with :func:`megatron_layout`) and
+the ``COMPLETE`` marker as for DeepSpeed. A resume needs the layout the checkpoint was written with (tensor, pipeline
+and data-parallel sizes): resharding on load is not built yet, and a changed layout is refused with the sizes.
 """
 
 from __future__ import annotations

@@ -315,10 +315,6 @@ RULES: tuple[Rule, ...] = (
     Rule("megatron-share-prompts", {"engine": _MEGATRON, "share_prompts": Is(True)},
          "dsrl.model.share_prompts with dsrl.engine.kind = 'megatron': shared rows need a 4-D attention mask, and "
          "megatron-core's rotary positions are each row's own. Fix: set share_prompts to false."),
-    Rule("megatron-critic", {"engine": _MEGATRON, "algorithm": OneOf(CRITIC_ALGORITHMS)},
-         "dsrl.algorithm.name = {algorithm!r} with dsrl.engine.kind = 'megatron': the critic is not built on the "
-         "Megatron engine yet. Fix: use a critic-free algorithm (grpo, dr_grpo, rloo, dapo, gspo), or dsrl.engine.kind "
-         "'deepspeed'."),
     Rule("megatron-disaggregated", {"engine": _MEGATRON, "placement": _DISAGG},
          "dsrl.rollout.placement = 'disaggregated' with dsrl.engine.kind = 'megatron': the trainers' weight stream to "
          "generator ranks is not built from the Megatron engine yet. Fix: use placement 'colocated'."),

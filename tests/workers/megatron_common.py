@@ -187,17 +187,22 @@ def reference_gpt(params: dict[str, torch.Tensor]) -> torch.nn.Module:
     return model.double()
 
 
-def hf_causal_lm(kind: str, seed: int, **shape: Any) -> torch.nn.Module:
+def hf_causal_lm(kind: str, seed: int, value: bool = False, **shape: Any) -> torch.nn.Module:
     """A random Hugging Face ``kind`` model (``llama``: untied head; ``qwen2``: tied head, q/k/v biases; ``qwen3``:
     per-head q/k norms, head_dim 16) of ``shape`` (config fields), float32, eval mode, seeded; its norms moved off 1
-    and its biases off 0, so that a mapping error shows."""
+    and its biases off 0, so that a mapping error shows. ``value``: the value model of that config (the critic's,
+    ``<Arch>ForTokenClassification`` with one label)."""
     import transformers
 
     cls_cfg, cls_model = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
+    if value:
+        cls_model = cls_model.replace("CausalLM", "TokenClassification")
     extra: dict[str, Any] = {"tie_word_embeddings": kind == "qwen2"}
     if kind == "qwen3":
         extra["head_dim"] = 16
+    if value:
+        extra.update(num_labels=1, classifier_dropout=0.0)
     cfg = getattr(transformers, cls_cfg)(**shape, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, cls_model)(cfg).float().eval()

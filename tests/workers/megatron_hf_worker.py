@@ -36,11 +36,11 @@ SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_lay
              rope_theta=50000.0)  # not the default base: the map must read it
 
 
-def hf_model(kind: str) -> torch.nn.Module:
-    return hf_causal_lm(kind, 7, **SHAPE)
+def hf_model(kind: str, value: bool = False) -> torch.nn.Module:
+    return hf_causal_lm(kind, 7, value=value, **SHAPE)
 
 
-def run_case(kind: str, tp: int, pp: int, plant: bool) -> dict:
+def run_case(kind: str, tp: int, pp: int, plant: bool, value: bool = False) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -48,15 +48,18 @@ def run_case(kind: str, tp: int, pp: int, plant: bool) -> dict:
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(0)
-    hf = hf_model(kind)
+    hf = hf_model(kind, value)
     cfg = hf_weights.gpt_config(hf.config, use_cpu_initialization=True, tensor_model_parallel_size=tp,
                                 pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    gpt = hf_weights.build_gpt_model(hf.config, cfg, pre_process=first, post_process=last, parallel_output=False)
+    gpt = hf_weights.build_gpt_model(hf.config, cfg, pre_process=first, post_process=last, parallel_output=False,
+                                     value_head=value)
     state = {k: v.clone() for k, v in hf.state_dict().items()}
-    if hf.config.tie_word_embeddings:
+    if hf.config.tie_word_embeddings and not value:
         del state["lm_head.weight"]  # as a tied model's safetensors hold it: the embedding only
-    if plant:
+    if plant and value:  # the value head's weight and bias taken from another model
+        state["score.bias"] = state["score.bias"] + 1.0
+    elif plant:
         for i in range(hf.config.num_hidden_layers):
             k, v = f"model.layers.{i}.self_attn.k_proj.weight", f"model.layers.{i}.self_attn.v_proj.weight"
             state[k], state[v] = state[v], state[k]
@@ -77,7 +80,7 @@ def run_case(kind: str, tp: int, pp: int, plant: bool) -> dict:
     dist.all_gather_object(everyone, {"error": error, "mismatched": mismatched, "names": stage_names})
     names = sorted({n for e in everyone for n in e["names"]})
     expected = sorted(n for n in original if not (n == "lm_head.weight" and hf.config.tie_word_embeddings))
-    return {"arch": kind, "tp": tp, "pp": pp, "plant": plant,
+    return {"arch": kind + ("-value" if value else ""), "tp": tp, "pp": pp, "plant": plant,
             "logit_error": max(e["error"] for e in everyone if e["error"] is not None),
             "mismatched": sorted({m for e in everyone for m in e["mismatched"]}),
             "missing_names": sorted(set(expected) - set(names)), "extra_names": sorted(set(names) - set(expected))}
@@ -105,12 +108,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--plant", action="store_true")
+    ap.add_argument("--value", action="store_true", help="value models only (the critic's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rows = []
     layouts = [(1, 1), (2, 1), (1, 2)] if not args.plant else [(2, 1)]
-    for kind in ("llama", "qwen2", "qwen3") if not args.plant else ("llama",):
+    if args.value:
+        rows = [run_case(kind, tp, pp, args.plant, value=True) for kind in ("qwen2", "llama")[:1 if args.plant else 2]
+                for tp, pp in layouts]
+    for kind in () if args.value else ("llama",) if args.plant else ("llama", "qwen2", "qwen3"):
         for tp, pp in layouts:
             rows.append(run_case(kind, tp, pp, args.plant))
     write_rows(rows, args.out)

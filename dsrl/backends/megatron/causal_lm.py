@@ -1,5 +1,6 @@
 """A megatron-core ``GPTModel`` chunk with a Hugging Face causal LM's face, so that the application's forwards run on it
-unchanged (:class:`GPTCausalLM`).
+unchanged (:class:`GPTCausalLM`), and a value model's chunk with a token classifier's face (:class:`GPTValueModel`, the
+critic's).
 
 The application computes log-probs with :func:`dsrl.rl.policy.logprobs.forward_logprobs`: it calls a model as
 ``model(input_ids=, attention_mask=, position_ids=, use_cache=False)``, finds its output head through
@@ -100,10 +101,7 @@ class GPTCausalLM(torch.nn.Module):
                 position_ids: torch.Tensor | None = None, use_cache: bool = False) -> torch.Tensor:
         """The head's output ``[b, s, ...]`` (logits, or what the fused log-probs put in their place) on the last
         stage; the stage's output hidden states ``[s, b, H]`` on an earlier one."""
-        if attention_mask is None or attention_mask.dim() != 2:
-            raise ValueError("the Megatron engine runs right-padded rows with a [b, s] attention_mask; packed rows "
-                             "and prompt-shared rows are not supported on it. Fix: set dsrl.model.packing = false "
-                             "and dsrl.model.share_prompts = false.")
+        _check_rows(attention_mask)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if self.head is None:
@@ -111,6 +109,48 @@ class GPTCausalLM(torch.nn.Module):
         with _output_layer_passed_through(self.gpt):
             hidden = self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
         return self.head(hidden)
+
+
+class GPTValueModel(torch.nn.Module):
+    """``chunk`` (a value model's ``GPTModel``, :func:`dsrl.backends.megatron.hf_weights.build_gpt_model` with
+    ``value_head``, wrapped in megatron-core's DDP) as a Hugging Face ``AutoModelForTokenClassification`` with one
+    label, the face :func:`dsrl.rl.critic.forward_values` calls: on the last stage the output's ``logits`` are the
+    values ``[b, s, 1]``; an earlier stage returns its output ``[s, b, H]`` for the next, as :class:`GPTCausalLM`
+    does. The same rows as :class:`GPTCausalLM` (right-padded, a ``[b, s]`` attention mask)."""
+
+    def __init__(self, chunk: Any, config: Any):
+        super().__init__()
+        from megatron.core.utils import unwrap_model
+
+        self.chunk = chunk
+        self.config = config
+        gpt = unwrap_model(chunk)
+        object.__setattr__(self, "gpt", gpt)
+        pad = getattr(config, "pad_token_id", None)
+        if gpt.pre_process and pad is not None:
+            _padding_row_without_lookup_gradient(gpt.embedding.word_embeddings, int(pad))
+
+    @property
+    def post_process(self) -> bool:
+        """Whether this pipeline stage holds the value head (the last stage)."""
+        return bool(self.gpt.post_process)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, use_cache: bool = False) -> Any:
+        from transformers.modeling_outputs import TokenClassifierOutput
+
+        _check_rows(attention_mask)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        out = self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+        return TokenClassifierOutput(logits=out) if self.post_process else out
+
+
+def _check_rows(attention_mask: torch.Tensor | None) -> None:
+    if attention_mask is None or attention_mask.dim() != 2:
+        raise ValueError("the Megatron engine runs right-padded rows with a [b, s] attention_mask; packed rows "
+                         "and prompt-shared rows are not supported on it. Fix: set dsrl.model.packing = false "
+                         "and dsrl.model.share_prompts = false.")
 
 
 def _padding_row_without_lookup_gradient(embedding: torch.nn.Module, pad_id: int) -> None:

@@ -24,7 +24,7 @@ Checkpoints go through megatron-core's dist-checkpointing (:meth:`MegatronEngine
 (:mod:`dsrl.rl.run.engines`), with the ds_config's optimizer (:mod:`dsrl.backends.megatron.run_file`), dsrl's
 schedule and, on the CPU, dsrl's gradient clipping (:func:`clip_grad_norm_on_host`). Not built yet (ARCHITECTURE §4
 "(engine)"; issue 40): context, expert and sequence parallelism (refused by :class:`MegatronLayout`), mixed
-precision, the critic, and generator ranks fed from it.
+precision, and generator ranks fed from it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsrl.backends.megatron.causal_lm import GPTCausalLM
+from dsrl.backends.megatron.causal_lm import GPTCausalLM, GPTValueModel
 from dsrl.backends.megatron.deps import require_megatron
 from dsrl.backends.megatron.schedule import OPTIMIZER_STEPS, build_param_scheduler
 from dsrl.backends.megatron.step import PER_TOKEN, MegatronRLStep
@@ -116,10 +116,11 @@ def _whole_loss(output: Any, micro: MicroBatch) -> Any:
 class MegatronEngine(MegatronRLStep):
     """The megatron-core :class:`dsrl.core.engine.TrainEngine` (module docstring). ``chunk``: the ``GPTModel`` wrapped
     in megatron-core's DDP (built with ``calculate_per_token_loss=True``); ``hf_config``: the HF config it was made
-    from; ``plan``: the run's :class:`dsrl.core.plan.BatchPlan`."""
+    from; ``plan``: the run's :class:`dsrl.core.plan.BatchPlan`; ``value_model``: the chunk is a value model's (the
+    critic's, :class:`GPTValueModel`), not a causal LM's."""
 
     def __init__(self, chunk: Any, optimizer: Any, scheduler: Any, plan: BatchPlan, hf_config: Any, *,
-                 schedule_unit: str = OPTIMIZER_STEPS, host_clip_grad: float = 0.0):
+                 schedule_unit: str = OPTIMIZER_STEPS, host_clip_grad: float = 0.0, value_model: bool = False):
         super().__init__(chunk, optimizer, scheduler, loss_agg=plan.loss_agg, convention=PER_TOKEN,
                          schedule_unit=schedule_unit, mini_batch_size=plan.mini_batch_size,
                          loss_agg_norm_length=plan.loss_agg_norm_length)
@@ -127,7 +128,7 @@ class MegatronEngine(MegatronRLStep):
         self.hf_config = hf_config
         self.host_clip_grad = float(host_clip_grad)  # > 0: dsrl clips (megatron-core's clipping needs CUDA)
         self.monitor: Any = None  # the run's metrics monitor (DeepSpeed's MonitorMaster), set by the composition root
-        self._module = GPTCausalLM(chunk, hf_config)
+        self._module = (GPTValueModel if value_model else GPTCausalLM)(chunk, hf_config)
 
     def _optimizer_step(self) -> tuple[bool, Any]:
         """megatron-core's step, or on the CPU with clipping its three parts with dsrl's clipping between them
@@ -143,7 +144,7 @@ class MegatronEngine(MegatronRLStep):
 
     # -- what the application's forwards see (dsrl.core.forwards.PolicyForwards) -------------------
     @property
-    def module(self) -> GPTCausalLM:
+    def module(self) -> GPTCausalLM | GPTValueModel:
         return self._module
 
     @property
@@ -343,14 +344,15 @@ def initialize_parallel(layout: MegatronLayout, seed: int) -> None:
 
 def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: BatchPlan, layout: MegatronLayout,
                  settings: OptimizerSettings, *, on_gpu: bool = False,
-                 scheduler_of: Callable[[Any], Any] | None = None) -> MegatronEngine:
+                 scheduler_of: Callable[[Any], Any] | None = None, value_model: bool = False) -> MegatronEngine:
     """A :class:`MegatronEngine` of the Hugging Face model ``hf_config`` / ``hf_state`` (its ``state_dict``, HF names;
     this rank loads its tensor shard and pipeline stage), after :func:`initialize_parallel` with ``layout``: the
     ``GPTModel`` of :mod:`dsrl.backends.megatron.hf_weights`, megatron-core's DDP and (distributed) optimizer, and the
     schedule over the plan's optimizer steps: ``scheduler_of(optimizer)`` (launch/train.py passes dsrl's schedule of
     the ds_config, the DeepSpeed engine's own), else megatron-core's ``OptimizerParamScheduler`` of ``settings``.
     Gradient clipping (``settings.clip_grad``) is megatron-core's on GPUs and :func:`clip_grad_norm_on_host` on
-    the CPU."""
+    the CPU. ``value_model``: the HF model is a value model (``AutoModelForTokenClassification`` with one label, the
+    critic's), built with its :class:`dsrl.backends.megatron.hf_weights.ValueHead`."""
     require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -371,7 +373,7 @@ def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: Bat
         # all-gather MoE dispatcher, even for a dense model)
         variable_seq_lengths=pp > 1, **({"moe_token_dispatcher_type": "alltoall"} if pp > 1 else {}))
     gpt = hf_weights.build_gpt_model(hf_config, config, pre_process=ps.is_pipeline_first_stage(),
-                                     post_process=ps.is_pipeline_last_stage())
+                                     post_process=ps.is_pipeline_last_stage(), value_head=value_model)
     hf_weights.load_hf_weights(gpt, hf_config, hf_state, ps.get_tensor_model_parallel_rank(), tp)
     if on_gpu:
         gpt.cuda()
@@ -392,7 +394,7 @@ def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: Bat
                                           warmup_steps=settings.warmup_steps, decay_style=settings.decay_style,
                                           init_lr=settings.min_lr)
     return MegatronEngine(ddp, optimizer, scheduler, plan, hf_config,
-                          host_clip_grad=0.0 if on_gpu else settings.clip_grad)
+                          host_clip_grad=0.0 if on_gpu else settings.clip_grad, value_model=value_model)
 
 
 __all__ = ["MegatronEngine", "MegatronLayout", "OptimizerSettings", "ReplicatedFrozen", "build_engine",

@@ -71,18 +71,43 @@ def gpt_config(hf_config: Any, **overrides: Any) -> Any:
 
 
 def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, post_process: bool = True,
-                    parallel_output: bool = True) -> Any:
+                    parallel_output: bool = True, value_head: bool = False) -> Any:
     """A ``GPTModel`` of ``config`` (:func:`gpt_config`) shaped like the HF model: local layer spec, rotary
-    embeddings, the HF vocabulary and context length, the output head tied when the HF model ties it."""
+    embeddings, the HF vocabulary and context length, the output head tied when the HF model ties it. With
+    ``value_head`` it is the HF ``AutoModelForTokenClassification(num_labels=1)`` (a value model): the output layer is
+    a :class:`ValueHead`, replicated over the tensor-parallel group, and nothing is tied."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
-                    max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process,
-                    post_process=post_process, parallel_output=parallel_output,
-                    share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
-                    position_embedding_type="rope", rotary_base=rope_theta(hf_config))
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
+                   max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process,
+                   post_process=post_process, parallel_output=parallel_output,
+                   share_embeddings_and_output_weights=tied, position_embedding_type="rope",
+                   rotary_base=rope_theta(hf_config))
+    if value_head and post_process:
+        gpt.output_layer = ValueHead(config.hidden_size, config.params_dtype)
+    return gpt
+
+
+class ValueHead(torch.nn.Module):
+    """A value model's output layer in ``GPTModel``'s place for it: ``weight [1, H]`` and ``bias [1]`` (the HF
+    ``score``, ``Linear(H, 1)``), replicated on every tensor-parallel rank (named ``output_layer.*`` as megatron-core's
+    checkpointing expects of a post-process stage). Every rank of the group computes the same values from the same
+    hidden states, so each computes the whole gradient of its copy and of the hidden states: no collective is needed
+    (as for the final norm); the gradient norm counts the copy once (it is not marked tensor-parallel)."""
+
+    sequence_parallel = False
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        score = torch.nn.Linear(hidden_size, 1, dtype=dtype)  # HF's initialisation (overwritten by the HF weights)
+        self.weight, self.bias = score.weight, score.bias
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 def rope_theta(hf_config: Any) -> int:
@@ -136,20 +161,22 @@ def _split_qkv(fused: torch.Tensor, groups: int, q_rows: int, kv_rows: int) -> t
     return tuple(t.reshape(-1, *fused.shape[1:]) for t in parts)
 
 
-def _stage(model: Any) -> tuple[dict[str, torch.nn.Parameter], int]:
-    """The model's weights by name (bare: no DDP ``module.`` prefix) and its first layer's global index (a pipeline
-    stage holds layers ``offset ...``)."""
+def _stage(model: Any) -> tuple[dict[str, torch.nn.Parameter], int, bool]:
+    """The model's weights by name (bare: no DDP ``module.`` prefix), its first layer's global index (a pipeline
+    stage holds layers ``offset ...``) and whether its output layer is a value model's :class:`ValueHead`."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "embedding"):
         model = model.module
-    return dict(model.named_parameters()), int(get_transformer_layer_offset(model.config))
+    value = isinstance(getattr(model, "output_layer", None), ValueHead)
+    return dict(model.named_parameters()), int(get_transformer_layer_offset(model.config)), value
 
 
 class _Layout:
     """How one tensor-parallel rank holds the model (sizes of the HF model, this rank's share)."""
 
-    def __init__(self, hf_config: Any, tp_rank: int, tp_size: int):
+    def __init__(self, hf_config: Any, tp_rank: int, tp_size: int, value: bool = False):
+        self.value = value  # a value model: its output layer is replicated
         self.groups = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
         self.q_rows = hf_config.num_attention_heads * head_dim(hf_config)
         self.kv_rows = self.groups * head_dim(hf_config)
@@ -158,11 +185,12 @@ class _Layout:
             raise ConfigError(f"tensor_model_parallel_size = {tp_size} does not divide the model's "
                               f"{self.groups} key/value heads; choose a divisor of it")
 
-    @staticmethod
-    def kind(mcore: str) -> str | None:
+    def kind(self, mcore: str) -> str | None:
         """How megatron-core splits a weight over the tensor-parallel group: ``rows`` (column-parallel and
         vocabulary-parallel: output rows), ``fc1`` (gate and up split each), ``cols`` (row-parallel: input columns)
-        or None (replicated: the norms)."""
+        or None (replicated: the norms, a value model's head)."""
+        if self.value and mcore.startswith("output_layer."):
+            return None
         if mcore.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
             return "rows"
         if mcore.endswith("linear_fc1.weight"):
@@ -196,14 +224,16 @@ class _Layout:
         return torch.cat(parts, dim=1)
 
 
-def _pairs(names: list[str], offset: int, tied: bool) -> Iterator[tuple[str, list[str]]]:
+def _pairs(names: list[str], offset: int, tied: bool, value: bool = False) -> Iterator[tuple[str, list[str]]]:
     """(megatron-core name, the HF names it is made of) for every weight of a model (stage). A tied model's output
-    layer (its own copy on the last pipeline stage) is the HF embedding."""
+    layer (its own copy on the last pipeline stage) is the HF embedding; a value model's is the HF ``score``."""
     for name in names:
         if name == "embedding.word_embeddings.weight":
             yield name, ["model.embed_tokens.weight"]
         elif name == "decoder.final_layernorm.weight":
             yield name, ["model.norm.weight"]
+        elif value and name in ("output_layer.weight", "output_layer.bias"):  # a value model's ValueHead
+            yield name, ["score." + name.rsplit(".", 1)[1]]
         elif name == "output_layer.weight":
             yield name, ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         elif name.startswith("decoder.layers."):
@@ -222,12 +252,12 @@ def load_hf_weights(model: Any, hf_config: Any, state: Mapping[str, torch.Tensor
     output layer (the last pipeline stage's copy) takes the embedding, and its ``lm_head.weight`` may be absent from
     ``state``; any other missing HF weight, or an HF weight no model weight takes (on a model holding every layer),
     is an error naming it."""
-    lay = _Layout(hf_config, tp_rank, tp_size)
-    params, offset = _stage(model)
+    params, offset, value = _stage(model)
+    lay = _Layout(hf_config, tp_rank, tp_size, value)
     names = list(params)
     used: set[str] = set()
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    for mcore, hf_names in _pairs(names, offset, tied):
+    for mcore, hf_names in _pairs(names, offset, tied and not value, value):
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise ValueError(f"the Hugging Face weights lack {', '.join(missing)} (for megatron-core {mcore})")
@@ -267,11 +297,11 @@ def iter_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> Iterato
 
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    lay = _Layout(hf_config, rank, size)
-    params, offset = _stage(model)
+    params, offset, value = _stage(model)
+    lay = _Layout(hf_config, rank, size, value)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    for mcore, hf_names in _pairs(list(params), offset, tied):
-        if tied and mcore == "output_layer.weight":
+    for mcore, hf_names in _pairs(list(params), offset, tied and not value, value):
+        if tied and not value and mcore == "output_layer.weight":
             continue  # the last stage's copy of the embedding: the HF model has it once
         local = params[mcore].detach()
         parts = [local]

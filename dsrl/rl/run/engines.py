@@ -62,7 +62,7 @@ def prepare_engine(cfg: Config, world: int, dataset_size: int | None, gpu: bool)
     """The policy engine's spec of the run file on ``world`` ranks, before any model exists: every configuration
     error of its engine is raised here, naming its field."""
     if cfg.dsrl.engine.kind != MEGATRON_ENGINE:
-        return prepare(cfg, dataset_size=dataset_size, on_gpu=gpu)
+        return prepare(cfg, world_size=world, dataset_size=dataset_size, on_gpu=gpu)
     from dsrl.backends.megatron.deps import require_megatron
     from dsrl.backends.megatron.run_file import layout_of, optimizer_settings
 
@@ -143,18 +143,26 @@ def _torch_optimizer(optimizer: Any) -> Any:
 
 
 def _build_megatron(model: torch.nn.Module, spec: MegatronSpec) -> TrainEngine:
+    """The policy's Megatron engine: megatron-core's parallel state of the layout first (the critic's engine, built
+    after it, shares it)."""
     from deepspeed.monitor.config import get_monitor_config
     from deepspeed.monitor.monitor import MonitorMaster
 
-    from dsrl.backends.megatron.engine import build_engine, initialize_parallel
+    from dsrl.backends.megatron.engine import initialize_parallel
 
     initialize_parallel(spec.layout, seed=spec.config.dsrl.run.seed)
-    engine = build_engine(model.config, model.state_dict(), spec.plan, spec.layout, spec.settings,
-                          on_gpu=spec.on_gpu,
-                          scheduler_of=lambda opt: PlannedParamScheduler(PlannedScheduler(spec.schedule,
-                                                                                          _torch_optimizer(opt))))
+    engine = _megatron_engine(model, spec, value_model=False)
     engine.monitor = MonitorMaster(get_monitor_config(spec.ds_config))
     return engine
+
+
+def _megatron_engine(model: torch.nn.Module, spec: MegatronSpec, value_model: bool) -> Any:
+    from dsrl.backends.megatron.engine import build_engine
+
+    return build_engine(model.config, model.state_dict(), spec.plan, spec.layout, spec.settings, on_gpu=spec.on_gpu,
+                        scheduler_of=lambda opt: PlannedParamScheduler(PlannedScheduler(spec.schedule,
+                                                                                        _torch_optimizer(opt))),
+                        value_model=value_model)
 
 
 def engine_builder(spec: EngineSpec | MegatronSpec) -> Callable[[torch.nn.Module], TrainEngine]:
@@ -180,27 +188,36 @@ def rollout_backend(spec: EngineSpec | MegatronSpec, side: RolloutSide, engine: 
     return ReplicaSync(side.backend(replica, prompts_per_call), replica, hf_weights, lambda: engine.optimizer_steps)
 
 
-def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None, on_gpu: bool) -> EngineSpec | None:
-    """The critic's :class:`EngineSpec`: its half of the run file (:func:`dsrl.rl.critic.critic_config`) validated as
-    the policy's is (DeepSpeed's own classes, the schedule with the critic's horizon), once, before any model is
-    built; None when the algorithm trains no value model (the one place that decides)."""
+def prepare_critic(cfg: Config, world_size: int, dataset_size: int | None,
+                   on_gpu: bool) -> EngineSpec | MegatronSpec | None:
+    """The critic's engine spec: its half of the run file (:func:`dsrl.rl.critic.critic_config`) validated as the
+    policy's is (DeepSpeed's own classes, the schedule with the critic's horizon; on the engine of
+    ``dsrl.engine.kind``, the policy's), once, before any model is built; None when the algorithm trains no value
+    model (the one place that decides)."""
     if not cfg.dsrl.has_critic:
         return None
     ccfg = critic_config(cfg)  # AutoTP and Ulysses are refused with the run file (dsrl.config.support)
     try:
-        return prepare(ccfg, world_size=world_size, dataset_size=dataset_size, on_gpu=on_gpu)
+        return prepare_engine(ccfg, world_size, dataset_size, on_gpu)
     except ConfigError as e:
         raise ConfigError(f"the critic's run file (the policy's with dsrl.critic swapped in): {e}") from None
 
 
-def build_critic(spec: EngineSpec | None, tokenizer: PreTrainedTokenizerBase, seed: int,
+def build_critic(spec: EngineSpec | MegatronSpec | None, tokenizer: PreTrainedTokenizerBase, seed: int,
                  phases: PhaseClock | None = None) -> Critic | NoCritic:
     """The run's critic from :func:`prepare_critic`'s spec (its engine over the value model, seeded like the policy),
-    or :data:`dsrl.rl.critic.NO_CRITIC` when it gave none."""
+    or :data:`dsrl.rl.critic.NO_CRITIC` when it gave none. On Megatron the critic's engine is built after the
+    policy's, in the parallel state the policy's set up (the same layout: the critic's run file keeps
+    ``dsrl.engine``)."""
     if spec is None:
         return NO_CRITIC
     model = build_value_model(spec.config, tokenizer, spec.on_gpu, seed=seed)
-    return Critic(initialize(model, spec), spec.config.dsrl.critic.value_clip, phases)
+    if isinstance(spec, MegatronSpec):
+        engine = _megatron_engine(model, spec, value_model=True)
+        del model  # the engine holds its shards; the HF value model is not used again
+    else:
+        engine = initialize(model, spec)
+    return Critic(engine, spec.config.dsrl.critic.value_clip, phases)
 
 
 def start_generator(cfg: Config, role: Role) -> GeneratorWorker:

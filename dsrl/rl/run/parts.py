@@ -125,7 +125,7 @@ class CheckedRun:
     reward_fn: RewardCaller | None
     environment: EnvironmentCaller | None
     spec: EngineSpec | MegatronSpec
-    critic_spec: EngineSpec | None
+    critic_spec: EngineSpec | MegatronSpec | None
     moe_layout: MoELayout | None
     eval_prompts: EvalPrompts | None  # None: no evaluation during training (eval.every = 0)
     baseline_mib: float | None = None  # the process's resident memory before the model was built
