@@ -216,3 +216,40 @@ def test_ppo_trains_its_critic_on_megatron_as_on_deepspeed_and_resumes_bit_for_b
     manifest = json.loads((parts / "checkpoints" / "rollout4" / "MANIFEST.json").read_text())
     assert manifest["engines"]["critic"]["engine"] == "megatron"
     assert manifest["engines"]["critic"]["pipeline_model_parallel_size"] == 2
+
+
+@EXTENDED
+def test_a_learned_reward_model_scores_beside_megatron_as_beside_deepspeed(tmp_path):
+    """A tiny learned reward model (summed with the rule reward) placed by the Megatron engine (a frozen replica on
+    every rank) with DAPO's dynamic sampling, whose redraws give the ranks different numbers of sequences to score:
+    at DP = 2 every rollout has DeepSpeed ZeRO-2's rewards and steps within 1e-5."""
+    from dsrl.config import ModelConfig
+    from dsrl.rl.policy.tokenizer import load_tokenizer
+    from dsrl.rl.rewards.model import save_tiny_reward_model
+
+    rm_dir = save_tiny_reward_model(str(tmp_path / "rm"), load_tokenizer(ModelConfig()))
+    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw["scheduler"]["params"]["warmup_num_steps"] = 2
+    raw["dsrl"]["algorithm"] = {"name": "dapo", "max_sampling_rounds": 4}
+    raw["dsrl"]["data"].update(reward_model=rm_dir, reward_model_weight=0.1)
+    raw["dsrl"]["sft"] = {"steps": 30}
+    raw["dsrl"]["batch"].update(prompts_per_rollout=8, samples_per_prompt=4, mini_batch_size=32)
+    raw["dsrl"]["rollout"].update(temperature=0.5, max_new_tokens=1, logprob_micro_batch_size=4)
+    rows = {}
+    for name in ("deepspeed", "megatron"):
+        run = raw if name == "deepspeed" else {k: v for k, v in raw.items() if k != "zero_optimization"}
+        if name == "megatron":
+            run["dsrl"] = {**raw["dsrl"], "engine": {"kind": "megatron"}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(run))
+        out = tmp_path / name
+        launch(["launch/train.py", "--ds_config", str(path), "--dsrl.run.rollouts", "3", "--dsrl.run.output_dir",
+                str(out), "--dsrl.run.progress_bar", "false", "--dsrl.run.save_final", "false"], nprocs=2,
+               timeout=900)
+        rows[name] = _rows(out, "rollout")
+    ds, mg = rows["deepspeed"], rows["megatron"]
+    assert len(mg) == 3 and max(r["sampling_rounds"] for r in mg) > 1
+    for d, m in zip(ds, mg, strict=True):
+        assert m["sampling_rounds"] == d["sampling_rounds"]
+        for key in ("reward_mean", "reward_std", "loss", "grad_norm"):
+            assert abs(m[key] - d[key]) <= 1e-5 * max(abs(d[key]), 1e-2), (key, m[key], d[key])

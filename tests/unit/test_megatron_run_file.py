@@ -192,7 +192,3 @@ def test_the_plan_counts_megatron_replicas_and_refuses_what_the_engine_cannot_ru
         prepare_engine(cfg, 3, 512, gpu=False)
     with pytest.raises(ConfigError, match=r"dtype = 'auto' \(bfloat16 on a GPU\).*Fix: set dsrl.model.dtype"):
         prepare_engine(cfg, 2, 512, gpu=True)
-    raw = _raw(kind="megatron")
-    raw["dsrl"]["data"]["reward_model"] = "runs/rm"
-    with pytest.raises(ConfigError, match=r"a learned reward model beside the Megatron engine is not tested yet"):
-        prepare_engine(load_config(raw), 2, 512, gpu=False)

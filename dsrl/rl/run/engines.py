@@ -82,10 +82,6 @@ def prepare_engine(cfg: Config, world: int, dataset_size: int | None, gpu: bool)
                           f"{' (bfloat16 on a GPU)' if cfg.dsrl.model.dtype == 'auto' else ''}: the Megatron engine "
                           "trains in float32 under launch/train.py (its mixed precision is not built yet). Fix: set "
                           "dsrl.model.dtype to 'float32'.")
-    if cfg.dsrl.data.reward_model:
-        raise ConfigError("dsrl.data.reward_model with dsrl.engine.kind = 'megatron': a learned reward model beside "
-                          "the Megatron engine is not tested yet. Fix: use a rule-based reward (dsrl.data.reward_fn), "
-                          "or dsrl.engine.kind 'deepspeed'.")
     settings = optimizer_settings(cfg.ds_config)
     # The run file as the DeepSpeed engine reads it (the plan, the ds_config checked by DeepSpeed's own classes, the
     # schedule), over the Megatron engine's data-parallel replicas: DeepSpeed's mpu interface says how many.
