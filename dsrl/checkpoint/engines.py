@@ -71,14 +71,14 @@ def load_engines(rl: TrainEngine, load_dir: str, tag: str | None = None,
                                   "dsrl.run.output_dir.")
     if not isinstance(rl, RLEngine):  # the Megatron engine (dsrl.checkpoint.megatron_files)
         from dsrl.checkpoint import manifest
-        from dsrl.checkpoint.megatron_files import MegatronFiles, check_same_layout
+        from dsrl.checkpoint.megatron_files import MegatronFiles, check_layout
 
-        check_same_layout(manifest.engine_layout(where), rl, where)
+        notice = check_layout(manifest.engine_layout(where), rl, where)
         _, state, rank_state = commit.load(MegatronFiles(rl), load_dir, tag)  # the engine's step state included
         for name, c in (companions or {}).items():  # the critic's engine: <tag>/<name>/megatron/
-            check_same_layout(manifest.engine_layout(where, name), c, os.path.join(where, name))
+            check_layout(manifest.engine_layout(where, name), c, os.path.join(where, name))
             MegatronFiles(c).load_checkpoint(where, name)
-        return Resumed(tag, state.get("client", {}), rank_state)
+        return Resumed(tag, state.get("client", {}), rank_state, notice)
     state, rank_state, notice = load(rl, load_dir, tag, saved_layout(where))
     rl.load_state_dict(state["engine"])
     for name, c in (companions or {}).items():

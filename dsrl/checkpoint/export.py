@@ -8,7 +8,9 @@ Invariants of :func:`export_checkpoint`:
 - the weights are the checkpoint's fp32 master weights, consolidated from any ZeRO stage (ZeRO-3
   shards included) by DeepSpeed's ``zero_to_fp32`` utilities in one process, whatever the number of
   ranks that wrote them (ZeRO-0 keeps whole weights in its model-states file; AutoTP shards are merged
-  by DeepSpeed's universal-checkpoint conversion);
+  by DeepSpeed's universal-checkpoint conversion); a Megatron engine's checkpoint gives its model's tensors from its
+  dist-checkpoint (any tensor and pipeline sizes), mapped to Hugging Face names
+  (:func:`dsrl.backends.megatron.hf_weights.hf_state_of_checkpoint`);
 - the checkpoint is verified against its manifest first (a damaged file is an error naming it);
 - the output directory appears complete or not at all (written beside it, then renamed) and holds
   ``model.safetensors`` (or shards), ``config.json``, ``generation_config.json`` and the tokenizer,
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from dsrl.checkpoint.adapters import ADAPTER_CONFIG, HF_META
+from dsrl.checkpoint.megatron_files import ENGINE_DIR as MEGATRON_DIR
 from dsrl.config import ConfigError
 
 PEFT_HINT = "pip install -e '.[lora]' (in the dsrl checkout) (peft>=0.21,<0.22)"
@@ -209,10 +212,6 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
     ckpt_dir, tag = resolve(source, checksums)
     engine_dir = os.path.join(ckpt_dir, tag) if engine is None else os.path.join(ckpt_dir, tag, engine)
     meta = os.path.join(engine_dir, HF_META)
-    if os.path.isdir(os.path.join(engine_dir, "megatron")):
-        raise ConfigError(f"{engine_dir} was written by the Megatron engine (dsrl.engine.kind = 'megatron'): "
-                          "exporting its dist-checkpoint offline is not built yet. Fix: use the run's own final model, "
-                          "written from the live weights at its end (run.export_final: <output_dir>/final_model).")
     if not os.path.isfile(os.path.join(meta, "config.json")):
         raise ConfigError(f"{engine_dir} has no {HF_META}/config.json (written by dsrl with every checkpoint since "
                           "export existed). Fix: export a newer checkpoint, or copy the model's config.json and "
@@ -223,7 +222,14 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
                           f"{ADAPTER_CONFIG}), so it has no adapter. Fix: export without --adapter.")
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
     out = os.path.abspath(out)
-    state = consolidated_state_dict(engine_dir, scratch=f"{out}.universal.tmp.{os.getpid()}")
+    megatron = os.path.join(engine_dir, MEGATRON_DIR)
+    if os.path.isdir(megatron):  # the Megatron engine's dist-checkpoint, any tensor and pipeline sizes
+        from dsrl.backends.megatron.hf_weights import hf_state_of_checkpoint
+        from dsrl.checkpoint.megatron_files import model_tensors
+
+        state = hf_state_of_checkpoint(model_tensors(megatron), config)
+    else:
+        state = consolidated_state_dict(engine_dir, scratch=f"{out}.universal.tmp.{os.getpid()}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if lora:

@@ -9,8 +9,8 @@ an engine (DeepSpeed's ``save_checkpoint(base, tag, client_state, save_latest)``
 
 A companion engine (the critic's, a second :class:`MegatronEngine` in the same layout) writes the same two files
 under ``<tag>/<name>/``. The commit then adds the per-rank files, the manifest (with :func:`megatron_layout`) and
-the ``COMPLETE`` marker as for DeepSpeed. A resume needs the layout the checkpoint was written with (tensor, pipeline
-and data-parallel sizes): resharding on load is not built yet, and a changed layout is refused with the sizes.
+the ``COMPLETE`` marker as for DeepSpeed. A resume may change the layout (tensor, pipeline and
+data-parallel sizes, the number of ranks): dist-checkpointing reshards on load (:func:`check_layout`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,11 @@ def megatron_layout(engine: Any) -> dict[str, Any]:
             "data_parallel_size": view.data_parallel_size, "world_size": collectives.world()}
 
 
-def check_same_layout(saved: dict[str, Any] | None, engine: Any, where: str) -> None:
-    """Refuse a checkpoint of another engine, or of this engine on another layout, naming both."""
+def check_layout(saved: dict[str, Any] | None, engine: Any, where: str) -> str | None:
+    """Refuse a checkpoint another engine wrote, naming it. A checkpoint of this engine on another layout (tensor,
+    pipeline or data-parallel sizes, so also another number of ranks) loads: megatron-core's dist-checkpointing
+    stores every tensor with its global shape and reshards the model and the optimizer on load. Returns what to tell
+    the user then (None: the same layout)."""
     now = megatron_layout(engine)
     if saved is None or saved.get("engine") != "megatron":
         raise ConfigError(f"checkpoint {where} was not written by the Megatron engine (dsrl.engine.kind = "
@@ -63,7 +66,45 @@ def check_same_layout(saved: dict[str, Any] | None, engine: Any, where: str) -> 
                           "dsrl.run.output_dir.")
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
     changed = [f"{k} {saved.get(k)} -> {now[k]}" for k in keys if saved.get(k) != now[k]]
-    if changed:
-        raise ConfigError(f"checkpoint {where} was written on another Megatron layout ({', '.join(changed)}); "
-                          "resuming on another layout is not built yet. Fix: resume with the sizes and the number "
-                          "of ranks it was written with.")
+    if not changed:
+        return None
+    return (f"checkpoint {where} was written on another Megatron layout ({', '.join(changed)}): megatron-core's "
+            "dist-checkpointing resharded the model and the optimizer state to this one (elastic resume); each "
+            "rank's random state is restored only where that rank existed before")
+
+
+def model_tensors(megatron_dir: str) -> dict[str, torch.Tensor]:
+    """The model's tensors of a dist-checkpoint (``<tag>/megatron/``), each whole (the shards of every tensor and
+    pipeline rank joined by megatron-core's loader; the optimizer's state is not read). Collective over the running
+    process group; run alone (``dsrl export``), it loads in a process group of its own, of one rank."""
+    from dsrl.backends.megatron.deps import require_megatron
+
+    require_megatron()
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    def load() -> dict[str, torch.Tensor]:
+        import warnings
+
+        import dataclasses
+
+        saved = dist_checkpointing.load_tensors_metadata(megatron_dir)
+        # every rank reads every tensor whole: one main replica (rank 0's), the others its replicas
+        wanted = {k: dataclasses.replace(v, replica_id=dist.get_rank()) for k, v in saved.items()
+                  if not k.startswith("optimizer.")}
+        with warnings.catch_warnings():  # megatron-core 0.16.1 calls torch's deprecated DCP load_state_dict
+            warnings.filterwarnings("ignore", message=".*load_state_dict.* is deprecated", category=FutureWarning)
+            loaded = dist_checkpointing.load(wanted, megatron_dir)
+        return {k: v for k, v in loaded.items() if k in wanted}
+
+    if dist.is_initialized():
+        return load()
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dsrl-export-") as scratch:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(scratch, "store"), 1), rank=0,
+                                world_size=1)
+        try:
+            return load()
+        finally:
+            dist.destroy_process_group()

@@ -51,5 +51,16 @@ def test_a_value_model_from_hf_weights_matches_the_hf_forward_and_gathers_back(t
 
 @EXTENDED
 def test_a_planted_value_head_error_fails_both_checks(tmp_path):
-    (r,) = _run(tmp_path, "--value", "--plant")
-    assert r["logit_error"] > 1e-2 and "score.bias" in r["mismatched"], r
+    (r,) = _run(tmp_path, "--value", "--plant", "--export")
+    assert r["logit_error"] > 1e-2 and "score.bias" in r["mismatched"] and r["export_mismatched"], r
+
+
+@EXTENDED
+def test_dsrl_export_reads_the_hf_weights_from_a_dist_checkpoint_of_any_layout(tmp_path):
+    """Each model of the checks above (the three architectures and the value models, at TP = 2 and PP = 2)
+    saved with megatron-core's dist-checkpointing and read back as ``dsrl export`` reads it
+    (:func:`dsrl.checkpoint.megatron_files.model_tensors`, :func:`hf_weights.hf_state_of_checkpoint`): the HF weights,
+    bit for bit, every name once; the planted bias above fails it."""
+    for extra in ((), ("--value",)):
+        for r in _run(tmp_path, "--export", *extra):
+            assert r["export_mismatched"] == [] and r["export_names"], r

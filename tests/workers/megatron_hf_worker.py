@@ -8,7 +8,8 @@ For each architecture (Llama untied with grouped-query attention, Qwen2 with q/k
 with per-head q/k norms) and each layout (TP = 1 on every rank, TP = 2, PP = 2): the same random HF model on every
 rank (seeded), its weights loaded into this rank's shard, the GPTModel's logits (gathered over the vocabulary;
 with PP the last stage's, activations passed stage to stage by hand) against the HF forward in float32, and the
-gathered HF state dict against the original. Rank 0 writes one JSON row per case. ``--plant`` plants a bug in the
+gathered HF state dict against the original (with ``--export``, also the HF state dict that ``dsrl export`` reads from
+the model's dist-checkpoint). Rank 0 writes one JSON row per case. ``--plant`` plants a bug in the
 map (k and v swapped in the fused qkv) so the test can show its check failing.
 """
 
@@ -40,7 +41,7 @@ def hf_model(kind: str, value: bool = False) -> torch.nn.Module:
     return hf_causal_lm(kind, 7, value=value, **SHAPE)
 
 
-def run_case(kind: str, tp: int, pp: int, plant: bool, value: bool = False) -> dict:
+def run_case(kind: str, tp: int, pp: int, plant: bool, checkpoints: str, value: bool = False) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -79,11 +80,29 @@ def run_case(kind: str, tp: int, pp: int, plant: bool, value: bool = False) -> d
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"error": error, "mismatched": mismatched, "names": stage_names})
     names = sorted({n for e in everyone for n in e["names"]})
+    exported = {}
+    if checkpoints:  # --export
+        exported = _exported(gpt, hf.config, os.path.join(checkpoints, f"{kind}{'-value' if value else ''}-{tp}-{pp}"))
+    export_mismatched = sorted(n for n in original if n in exported and not torch.equal(exported[n], original[n]))
     expected = sorted(n for n in original if not (n == "lm_head.weight" and hf.config.tie_word_embeddings))
     return {"arch": kind + ("-value" if value else ""), "tp": tp, "pp": pp, "plant": plant,
             "logit_error": max(e["error"] for e in everyone if e["error"] is not None),
             "mismatched": sorted({m for e in everyone for m in e["mismatched"]}),
+            "export_mismatched": export_mismatched, "export_names": sorted(exported) == expected,
             "missing_names": sorted(set(expected) - set(names)), "extra_names": sorted(set(names) - set(expected))}
+
+
+def _exported(gpt, hf_config, directory: str) -> dict:
+    """The HF state dict ``dsrl export`` reads from the model's dist-checkpoint (saved here by every rank)."""
+    from megatron.core import dist_checkpointing
+
+    from dsrl.backends.megatron.engine import _stop_checkpoint_writer_queue
+    from dsrl.checkpoint.megatron_files import model_tensors
+
+    os.makedirs(directory, exist_ok=True)
+    dist_checkpointing.save(gpt.sharded_state_dict(), directory)
+    _stop_checkpoint_writer_queue()
+    return hf_weights.hf_state_of_checkpoint(model_tensors(directory), hf_config)
 
 
 def _pipelined_forward(gpt, tokens, positions, first: bool, last: bool, pp: int):
@@ -109,17 +128,20 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--plant", action="store_true")
     ap.add_argument("--value", action="store_true", help="value models only (the critic's)")
+    ap.add_argument("--export", action="store_true", help="also save each model's dist-checkpoint and read it back "
+                    "as dsrl export does")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rows = []
-    layouts = [(1, 1), (2, 1), (1, 2)] if not args.plant else [(2, 1)]
+    checkpoints = os.path.join(os.path.dirname(os.path.abspath(args.out)), "checkpoints") if args.export else ""
+    layouts = [(2, 1)] if args.plant else [(2, 1), (1, 2)] if args.export else [(1, 1), (2, 1), (1, 2)]
     if args.value:
-        rows = [run_case(kind, tp, pp, args.plant, value=True) for kind in ("qwen2", "llama")[:1 if args.plant else 2]
+        rows = [run_case(kind, tp, pp, args.plant, checkpoints, value=True) for kind in ("qwen2", "llama")[:1 if args.plant else 2]
                 for tp, pp in layouts]
     for kind in () if args.value else ("llama",) if args.plant else ("llama", "qwen2", "qwen3"):
         for tp, pp in layouts:
-            rows.append(run_case(kind, tp, pp, args.plant))
+            rows.append(run_case(kind, tp, pp, args.plant, checkpoints))
     write_rows(rows, args.out)
 
 

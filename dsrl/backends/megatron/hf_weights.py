@@ -13,7 +13,8 @@ the HF forward, tests/distributed/test_megatron_hf.py):
   each split over the tensor-parallel group as megatron-core splits it; every model weight is written once
   (anything left over or missing is an error naming it);
 - :func:`gather_hf_weights` is its inverse over the tensor-parallel group: the full HF ``state_dict`` (HF names,
-  HF layouts) from the shards, bit for bit what was loaded.
+  HF layouts) from the shards, bit for bit what was loaded; :func:`hf_state_of_checkpoint` the same of the model's
+  tensors in a dist-checkpoint (offline export).
 
 Pipeline stages hold a contiguous range of layers (megatron-core's layer offset); the HF layer index is the global
 one.
@@ -308,10 +309,45 @@ def iter_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> Iterato
         if size > 1 and lay.kind(mcore) is not None:  # replicated tensors need no gather
             parts = [torch.empty_like(local) for _ in range(size)]
             dist.all_gather(parts, local.contiguous(), group=tp_group)
-        full = lay.unshard(mcore, parts)
-        if mcore.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-            yield from zip(hf_names, _split_qkv(full, lay.groups, lay.q_rows, lay.kv_rows))
-        elif mcore.endswith("linear_fc1.weight"):
-            yield from zip(hf_names, full.chunk(2, dim=0))
+        yield from _unfused(mcore, hf_names, lay.unshard(mcore, parts), lay)
+
+
+def _unfused(mcore: str, hf_names: list[str], full: torch.Tensor, lay: _Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors a full megatron-core tensor is made of (q/k/v and gate/up split apart)."""
+    if mcore.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        yield from zip(hf_names, _split_qkv(full, lay.groups, lay.q_rows, lay.kv_rows))
+    elif mcore.endswith("linear_fc1.weight"):
+        yield from zip(hf_names, full.chunk(2, dim=0))
+    else:
+        yield hf_names[0], full
+
+
+#: checkpoint key (within a layer) -> parameter name, where megatron-core's local layers save under Transformer
+#: Engine's names (the norms fused into the next linear there)
+_CHECKPOINT_KEYS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def hf_state_of_checkpoint(tensors: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """The HF ``state_dict`` of a model's tensors as megatron-core's dist-checkpointing saved them, read whole (any
+    tensor and pipeline sizes: the layers stacked along a first axis of ``num_hidden_layers``, the norms under their
+    checkpoint keys). A value model (its ``output_layer.bias``) gives its ``score``; a tied model's head is the
+    embedding (no ``lm_head.weight``). Anything the map does not know is an error naming it."""
+    params: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            rest = _CHECKPOINT_KEYS.get(rest, rest)
+            if tensor.shape[0] != hf_config.num_hidden_layers:
+                raise ValueError(f"checkpoint tensor {key} stacks {tensor.shape[0]} layers; the model's config.json "
+                                 f"has {hf_config.num_hidden_layers}")
+            params.update({f"decoder.layers.{i}.{rest}": tensor[i] for i in range(tensor.shape[0])})
         else:
-            yield hf_names[0], full
+            params[key] = tensor
+    value = "output_layer.bias" in params
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value
+    lay = _Layout(hf_config, 0, 1, value)
+    out: dict[str, torch.Tensor] = {}
+    for mcore, hf_names in _pairs(list(params), 0, tied, value):
+        out.update(_unfused(mcore, hf_names, params[mcore], lay))
+    return out
