@@ -84,9 +84,8 @@ def model_tensors(megatron_dir: str) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
 
     def load() -> dict[str, torch.Tensor]:
-        import warnings
-
         import dataclasses
+        import warnings
 
         saved = dist_checkpointing.load_tensors_metadata(megatron_dir)
         # every rank reads every tensor whole: one main replica (rank 0's), the others its replicas

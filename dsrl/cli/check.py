@@ -504,8 +504,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--objective {','.join(unknown)}: not one of {', '.join(OBJECTIVES)}")
     moe = settings_from(raw, args.routing_replay, args.router_aux_loss_coef)
-    arch = (model_for(raw, args.model, moe) if lora_settings(raw) is None
-            else lora_model_for(args.model, args.objective))
+    megatron = (raw["dsrl"].get("engine") or {}).get("kind") == "megatron"
+    if megatron:  # dsrl.cli.check_engine_megatron: the engine launch/train.py builds
+        from dsrl.cli.check_engine_megatron import megatron_model_for, require_shim_without_cuda, run_megatron_case
+
+        require_shim_without_cuda()
+        try:
+            arch = megatron_model_for(args.model)
+        except ValueError as e:
+            parser.error(str(e))
+        stages = [0]
+    else:
+        arch = (model_for(raw, args.model, moe) if lora_settings(raw) is None
+                else lora_model_for(args.model, args.objective))
     if moe.active and arch not in MOE_ARCHS:
         parser.error(f"routing replay / a load-balancing loss needs an MoE model: --model {arch} is dense (use "
                      f"{' or '.join(MOE_ARCHS)})")
@@ -514,15 +525,19 @@ def main(argv: list[str] | None = None) -> int:
             for loss_agg in loss_aggs:
                 for split in splits:
                     for method in methods:
-                        res = run_case(raw, stage, loss_agg, split, method, args.seed, arch, objective, args.data,
-                                       moe)
+                        res = (run_megatron_case(raw, loss_agg, split, method, args.seed, arch, objective,
+                                                 args.data) if megatron else
+                               run_case(raw, stage, loss_agg, split, method, args.seed, arch, objective, args.data,
+                                        moe))
                         if is_model_dir(arch):
                             release_case_memory()
                         results.append(res)
                         if method == "dsrl":
                             worst = max(worst, res["error"])
                         if rank == 0:
-                            print(f"{objective:<6} {args.data} ZeRO-{stage} {loss_agg:<24} {split:<9} "
+                            where = (f"megatron tp={res['tensor_parallel_size']} pp={res['pipeline_parallel_size']}"
+                                     if megatron else f"ZeRO-{stage}")
+                            print(f"{objective:<6} {args.data} {where} {loss_agg:<24} {split:<9} "
                                   f"ranks={res['world_size']} tp={res['tensor_parallel_size']} "
                                   f"{arch}{'+lora' if res['lora'] else ''}{_moe_tag(res)} {method:<11} relative error "
                                   f"{res['error']:.3e} (update/reference {res['ratio']:.7f})"

@@ -44,6 +44,9 @@ def value_model(arch: str) -> torch.nn.Module:
 
 
 def _run(model: Any, micro: dict[str, torch.Tensor]) -> Any:
+    if "attention_mask" in micro:  # the Megatron engine's model takes its rows' mask and positions
+        return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                     position_ids=micro["position_ids"])
     return model(micro["input_ids"])
 
 
@@ -75,7 +78,8 @@ def value_loss(model: Any, micro: dict[str, torch.Tensor]) -> torch.Tensor:
     from dsrl.algos.losses import clipped_value_loss
     from dsrl.rl.critic import forward_values
 
-    values = forward_values(model, {"input_ids": micro["input_ids"], "position_ids": None})
+    rows = {k: micro[k] for k in ("attention_mask",) if k in micro}  # the Megatron engine's model takes its mask
+    values = forward_values(model, {"input_ids": micro["input_ids"], "position_ids": micro.get("position_ids"), **rows})
     return clipped_value_loss(values, micro["old_values"].to(values.dtype), micro["returns"].to(values.dtype),
                               VALUE_CLIP)[0]
 

@@ -192,3 +192,17 @@ def test_the_plan_counts_megatron_replicas_and_refuses_what_the_engine_cannot_ru
         prepare_engine(cfg, 3, 512, gpu=False)
     with pytest.raises(ConfigError, match=r"dtype = 'auto' \(bfloat16 on a GPU\).*Fix: set dsrl.model.dtype"):
         prepare_engine(cfg, 2, 512, gpu=True)
+
+
+def test_dsrl_check_on_megatron_names_its_model_and_its_entry_without_cuda(monkeypatch):
+    import sys
+
+    from dsrl.cli.check_engine_megatron import megatron_model_for, require_shim_without_cuda
+
+    assert megatron_model_for("auto") == "llama"
+    with pytest.raises(ValueError, match=r"--model 'tiny' with dsrl.engine.kind = 'megatron'.*Fix: --model llama"):
+        megatron_model_for("tiny")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.delitem(sys.modules, "megatron_cpu_shim", raising=False)
+    with pytest.raises(SystemExit, match=r"needs megatron-core's CPU shim. Fix: run `deepspeed launch/check.py"):
+        require_shim_without_cuda()

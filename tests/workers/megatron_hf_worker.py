@@ -137,8 +137,8 @@ def main() -> None:
     checkpoints = os.path.join(os.path.dirname(os.path.abspath(args.out)), "checkpoints") if args.export else ""
     layouts = [(2, 1)] if args.plant else [(2, 1), (1, 2)] if args.export else [(1, 1), (2, 1), (1, 2)]
     if args.value:
-        rows = [run_case(kind, tp, pp, args.plant, checkpoints, value=True) for kind in ("qwen2", "llama")[:1 if args.plant else 2]
-                for tp, pp in layouts]
+        kinds = ("qwen2",) if args.plant else ("qwen2", "llama")
+        rows = [run_case(kind, tp, pp, args.plant, checkpoints, value=True) for kind in kinds for tp, pp in layouts]
     for kind in () if args.value else ("llama",) if args.plant else ("llama", "qwen2", "qwen3"):
         for tp, pp in layouts:
             rows.append(run_case(kind, tp, pp, args.plant, checkpoints))
