@@ -18,6 +18,11 @@ Three phases, each a dict of parts (bytes) whose sum is the phase's total:
   (frozen models unless offloaded, ``cb``'s cache, a vLLM engine unless asleep). Outside training the training
   state is the optimizer's and the master weights, with the gradients but under ZeRO-0, whose step frees them.
 
+On the Megatron engine (``dsrl.engine.kind = "megatron"``) the model states are this rank's TP x PP shard
+(:func:`megatron_states`), and every phase holds the rollout model, a full Hugging Face replica on every rank
+(``rollout_replica``), which generates (its KV cache unsharded) and receives the engine's weights at each sync;
+frozen models are full replicas too.
+
 The model states follow DeepSpeed's own accounting (``estimate_zero2_model_states_mem_needs`` /
 ``estimate_zero3_model_states_mem_needs`` of DeepSpeed 0.19.8, 16-bit weights with Adam: 2 + 18/D bytes per
 parameter under ZeRO-2, 18/D plus 4 bytes per parameter of the largest layer under ZeRO-3; tests/unit/test_memory.py
@@ -101,6 +106,15 @@ class MemorySetup:
     reference_copy: bool  # a frozen copy of the policy (kl_coef > 0 without LoRA)
     reward_model: ModelShape | None = None
     critic: ModelShape | None = None
+    megatron: bool = False  # dsrl.engine.kind = "megatron" (:func:`megatron_states`, an HF replica for generation)
+    pipeline_parallel: int = 1  # the Megatron engine's pipeline stages
+    distributed_optimizer: bool = False  # megatron-core's distributed optimizer (on GPUs): states sharded over D
+
+    @property
+    def sharded_for_generation(self) -> int:
+        """The tensor-parallel factor of what generates: the engine's (AutoTP) on DeepSpeed; 1 on Megatron, whose
+        rollout model is a full Hugging Face replica on every rank."""
+        return 1 if self.megatron else self.tensor_parallel
 
     @classmethod
     def of(cls, cfg: Config, plan: Any, shape: ModelShape, *, on_gpu: bool, reward_model: ModelShape | None = None,
@@ -117,13 +131,15 @@ class MemorySetup:
         if bf16 or fp16:
             weight_bytes = 2
         tp = ds.get("tensor_parallel") if isinstance(ds.get("tensor_parallel"), dict) else {}
+        megatron = d.engine.kind == "megatron"
+        tp_size = d.engine.tensor_model_parallel_size if megatron else max(1, int(tp.get("autotp_size", 1) or 1))
         max_len = d.data.max_prompt_tokens + d.max_completion_tokens
         b = plan.max_tokens_per_micro_batch
         train_tokens = b if b is not None else plan.micro_batch_size_per_rank * max_len
         # a generate call holds one replica's share of the prompts (a generator rank makes one call per replica)
         sequences = max(1, min(plan.prompts_per_rank, d.rollout.generation_batch_size)) * plan.samples_per_prompt
         return cls(shape=shape, weight_bytes=weight_bytes, zero_stage=stage, data_parallel=plan.data_parallel_size,
-                   tensor_parallel=max(1, int(tp.get("autotp_size", 1) or 1)),
+                   tensor_parallel=tp_size,
                    offload_optimizer=_device_set(zero.get("offload_optimizer")),
                    offload_param=_device_set(zero.get("offload_param")), offload_states=d.memory.offload_states,
                    gradient_checkpointing=d.model.gradient_checkpointing, train_tokens=train_tokens,
@@ -134,7 +150,9 @@ class MemorySetup:
                    vllm_fraction=d.rollout.vllm_gpu_memory_utilization,
                    vllm_sleeps=d.memory.vllm_sleep_level > 0 and on_gpu, on_gpu=on_gpu,
                    reference_copy=d.algorithm.kl_coef > 0 and d.model.lora is None, reward_model=reward_model,
-                   critic=critic if d.has_critic else None)
+                   critic=critic if d.has_critic else None, megatron=megatron,
+                   pipeline_parallel=d.engine.pipeline_model_parallel_size if megatron else 1,
+                   distributed_optimizer=megatron and on_gpu)
 
 
 def _device_set(section: Any) -> bool:
@@ -165,6 +183,19 @@ def model_states(params: int, trainable: int, largest_layer: int, data_parallel:
     if stage == 3:
         out["gathered_layer"] = 2 * weight_bytes * largest_layer
     return out
+
+
+def megatron_states(params: int, trainable: int, data_parallel: int, model_parallel: int, weight_bytes: int,
+                    distributed_optimizer: bool) -> dict[str, int]:
+    """Bytes per rank of a model's states on the Megatron engine, which trains in float32 (``weight_bytes`` 4): this
+    rank's shard of ``model_parallel`` = TP x PP (the weights spread evenly over the stages and tensor ranks; the
+    embedding and head make the first and last stages somewhat larger), megatron-core DDP's contiguous fp32 gradient
+    buffer (kept between steps), Adam's two fp32 moments, sharded over the D replicas by the distributed optimizer
+    (on GPUs); no separate master weights in float32."""
+    shard, trained = params // model_parallel, trainable // model_parallel
+    moments = 8 * trained // (max(1, data_parallel) if distributed_optimizer else 1)
+    return {"weights": weight_bytes * shard, "gradients": 4 * trained, "master_weights": 0,
+            "optimizer_states": moments}
 
 
 TRAINING_STATE = ("gradients", "master_weights", "optimizer_states")
@@ -208,22 +239,33 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
     share; None: unknown)."""
     s, wb = m.shape, m.weight_bytes
     tp = m.tensor_parallel
-    states = {k: v // tp for k, v in model_states(s.params, s.trainable, s.largest_layer, m.data_parallel,
-                                                 m.zero_stage, wb, offload_optimizer=m.offload_optimizer,
-                                                 offload_param=m.offload_param).items()}
-    resident_states = {k: v for k, v in states.items() if k in ("weights", "gathered_layer")}
-    # between steps: ZeRO-0's step sets the gradients to None (measured, docs/memory.md); ZeRO 1-3 keep buffers
-    kept = [k for k in TRAINING_STATE if not (k == "gradients" and m.zero_stage == 0)]
+    if m.megatron:  # the engine's shards, and the rollout model: a full HF replica on every rank (all phases)
+        model_parallel = tp * m.pipeline_parallel
+        states = megatron_states(s.params, s.trainable, m.data_parallel, model_parallel, wb, m.distributed_optimizer)
+        states["rollout_replica"] = wb * s.params
+    else:
+        states = {k: v // tp for k, v in model_states(s.params, s.trainable, s.largest_layer, m.data_parallel,
+                                                     m.zero_stage, wb, offload_optimizer=m.offload_optimizer,
+                                                     offload_param=m.offload_param).items()}
+    resident_states = {k: v for k, v in states.items() if k in ("weights", "gathered_layer", "rollout_replica")}
+    # between steps: ZeRO-0's step sets the gradients to None (measured, docs/memory.md); ZeRO 1-3 and megatron-core
+    # DDP keep buffers
+    kept = [k for k in TRAINING_STATE if not (k == "gradients" and m.zero_stage == 0 and not m.megatron)]
     training_state = sum(states.get(k, 0) for k in kept)
     frozen: dict[str, int] = {}
+    frozen_split = 1 if m.megatron else tp  # beside the Megatron engine a frozen model is a full replica
     if m.reference_copy:
-        frozen["reference"] = wb * s.params // (m.data_parallel if m.zero_stage == 3 else 1) // tp
+        frozen["reference"] = wb * s.params // (m.data_parallel if m.zero_stage == 3 else 1) // frozen_split
     if m.reward_model is not None:
         frozen["reward_model"] = wb * m.reward_model.params // (m.data_parallel if m.zero_stage == 3 else 1)
     critic: dict[str, int] = {}
     if m.critic is not None:
-        c = model_states(m.critic.params, m.critic.params, m.critic.largest_layer, m.data_parallel, m.zero_stage, wb,
-                         offload_optimizer=m.offload_optimizer, offload_param=m.offload_param)
+        if m.megatron:
+            c = megatron_states(m.critic.params, m.critic.params, m.data_parallel, tp * m.pipeline_parallel, wb,
+                                m.distributed_optimizer)
+        else:
+            c = model_states(m.critic.params, m.critic.params, m.critic.largest_layer, m.data_parallel,
+                             m.zero_stage, wb, offload_optimizer=m.offload_optimizer, offload_param=m.offload_param)
         critic = {"critic_weights": c["weights"] + c.get("gathered_layer", 0),
                   "critic_training_state": sum(c[k] for k in TRAINING_STATE)}
     backend = _backend_memory(m, device_bytes)
@@ -279,7 +321,8 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
     else:
         tr.parts["activations"] = m.train_tokens * s.layers * per_layer
     tr.parts["logit_chunk"] = _logit_chunk(m.train_tokens, s.vocab // tp) + 4 * m.train_tokens * s.hidden
-    if m.zero_stage == 0 and m.data_parallel > 1:  # DeepSpeed all-reduces ZeRO-0's gradients as flat buckets
+    if m.zero_stage == 0 and m.data_parallel > 1 and not m.megatron:  # DeepSpeed all-reduces ZeRO-0's gradients as
+        # flat buckets
         tr.parts["allreduce_buffer"] = min(s.trainable, ALLREDUCE_BUCKET_ELEMENTS) * wb // tp
     return {"generation": gen, "logprobs": lp, "training": tr}
 
@@ -287,7 +330,7 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
 def _backend_memory(m: MemorySetup, device_bytes: int | None) -> dict[str, int]:
     """The generation backend's own memory during generation (module docstring)."""
     s, C = m.shape, m.generation_sequences
-    kv = C * m.generation_tokens * s.kv_bytes_per_token * m.weight_bytes // m.tensor_parallel
+    kv = C * m.generation_tokens * s.kv_bytes_per_token * m.weight_bytes // m.sharded_for_generation
     if m.backend == VLLM_BACKEND:
         if m.on_gpu:
             return {"vllm_engine": int(m.vllm_fraction * device_bytes) if device_bytes else 0}
@@ -297,7 +340,7 @@ def _backend_memory(m: MemorySetup, device_bytes: int | None) -> dict[str, int]:
     out = {"cb_kv_cache" if m.backend in (CB_BACKEND, AUTO_BACKEND) else "kv_cache": kv}
     out["sampling_logits"] = 2 * 4 * C * s.vocab
     out["prefill_activations"] = C * m.prompt_tokens * (_per_layer_nograd(s, m.weight_bytes)
-                                                        + 2 * s.hidden * m.weight_bytes) // m.tensor_parallel
+                                                        + 2 * s.hidden * m.weight_bytes) // m.sharded_for_generation
     return out
 
 
@@ -338,6 +381,12 @@ def _fix(phase: str, part: str, m: MemorySetup) -> str | None:
                 f"dsrl.model.gradient_checkpointing = true, or a smaller {knob}")
     if part == "vllm_engine" and phase != "generation":
         return "dsrl.memory.vllm_sleep_level = 1 (the engine sleeps outside generation)"
+    if m.megatron and part in ("weights", "gradients", "optimizer_states", "training_state", "critic_weights",
+                               "critic_training_state"):
+        return ("a larger dsrl.engine.tensor_model_parallel_size or pipeline_model_parallel_size (a rank holds "
+                "1 / (TP x PP) of the model states)")
+    if m.megatron and part in ("reference", "reward_model", "rollout_replica"):
+        return None  # a full replica on every rank beside the Megatron engine; not offloaded there yet
     return _FIXES.get(part)
 
 

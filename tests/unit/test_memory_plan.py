@@ -229,3 +229,27 @@ def test_a_model_path_missing_here_is_planned_from_model_config(capsys, tmp_path
     assert code == 0 and doc["memory"]["training"]["total_mib"] > 0
     assert doc["memory_params"] == 300 * 64 + 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 128) \
         + 64 + (0 if Qwen2Config().tie_word_embeddings else 300 * 64)
+
+
+def test_the_megatron_engine_holds_its_shard_and_a_full_replica():
+    """On the Megatron engine a rank holds 1 / (TP x PP) of the float32 model states (weights, DDP's gradient buffer,
+    Adam's moments; on GPUs the distributed optimizer splits the moments over the D replicas) and, in every phase, the
+    rollout model: a full replica, whose KV cache is not split over the tensor ranks."""
+    from dsrl.core.memory import megatron_states
+
+    one = _cfg("tiny_grpo_megatron_cpu.json", engine={"tensor_model_parallel_size": 1})
+    tp2 = _cfg("tiny_grpo_megatron_cpu.json")  # TP = 2
+    pp2 = _cfg("tiny_grpo_megatron_cpu.json", engine={"tensor_model_parallel_size": 1,
+                                                      "pipeline_model_parallel_size": 2})
+    base, _, _ = _phases(one, ranks=2)  # D = 2 replicas in every layout (the plan's data-parallel size)
+    for layout in (tp2, pp2):
+        split, _, _ = _phases(layout, ranks=2)
+        for part in ("weights", "gradients", "optimizer_states"):
+            assert abs(split["training"].parts[part] * 2 - base["training"].parts[part]) <= 8, part
+        for phase in ("generation", "logprobs", "training"):
+            assert split[phase].parts["rollout_replica"] == base[phase].parts["rollout_replica"] > 0
+        assert split["generation"].parts["kv_cache"] == base["generation"].parts["kv_cache"]
+    assert base["training"].parts["master_weights"] == 0 and "allreduce_buffer" not in base["training"].parts
+    assert base["generation"].parts["rollout_replica"] == base["training"].parts["weights"]  # both float32, N
+    states = megatron_states(1000, 1000, 4, 2, 4, distributed_optimizer=True)
+    assert states == {"weights": 2000, "gradients": 2000, "master_weights": 0, "optimizer_states": 1000}
