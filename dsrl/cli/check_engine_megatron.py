@@ -75,7 +75,7 @@ def _with_rows(micro: dict[str, Any]) -> dict[str, Any]:
 def _mean_of_micro_means(loss_fn: Any, seqs: list[dict], replicas: int, split: str) -> Any:
     """``loss_fn`` rescaled so that dsrl's token-mean of it is the naive recipe's loss: every micro-batch's token
     mean, averaged over all micro-batches of the mini-batch (wrong whenever their token counts differ)."""
-    from dsrl.cli.check import split_for_rank
+    from dsrl.cli.check_data import split_for_rank
 
     parts = [p for r in range(replicas) for p in split_for_rank(seqs, replicas, r, split)]
     total = sum(float(s["loss_mask"].sum()) for s in seqs)
@@ -93,9 +93,9 @@ def run_megatron_case(raw: dict, loss_agg: str, split: str, method: str, seed: i
     """One case (module docstring): the result row :func:`dsrl.cli.check.main` prints and judges."""
     from dsrl.backends.megatron.engine import OptimizerSettings, build_engine, initialize_parallel
     from dsrl.backends.megatron.run_file import layout_of
-    from dsrl.cli.check import (
+    from dsrl.cli.check_data import (
         MAX_LEN,
-        _check_config,
+        check_run_file,
         collate,
         make_sequences,
         prepare_split,
@@ -122,7 +122,7 @@ def run_megatron_case(raw: dict, loss_agg: str, split: str, method: str, seed: i
     torch.manual_seed(seed)
     model = _model(arch, objective, layers=2 if pp > 1 else 1)
     reference = copy.deepcopy(model)
-    cfg = _check_config({k: v for k, v in raw.items() if k != "zero_optimization"}, 0, loss_agg, B)
+    cfg = check_run_file({k: v for k, v in raw.items() if k != "zero_optimization"}, 0, loss_agg, B)
     cfg.pop("zero_optimization", None)
     cfg["dsrl"]["engine"] = engine_section
     plan = BatchPlan.from_config(load_config(cfg), replicas, None)
