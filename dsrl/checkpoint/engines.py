@@ -48,7 +48,8 @@ def save_engines(rl: TrainEngine, save_dir: str, tag: str, client_state: dict[st
         others = {name: (c.engine, {"engine": c.state_dict()}, engine_layout(c).to_dict())
                   for name, c in (companions or {}).items()}
     else:  # the Megatron engine, whose dist-checkpoint holds its step state (dsrl.checkpoint.megatron_files)
-        from dsrl.checkpoint.megatron_files import MegatronFiles, megatron_layout
+        from dsrl.backends.megatron.checkpoint import megatron_layout
+        from dsrl.checkpoint.megatron_files import MegatronFiles
 
         target, layout, state = MegatronFiles(rl), megatron_layout(rl), {"client": client_state or {}}
         others = {name: (MegatronFiles(c), {}, megatron_layout(c)) for name, c in (companions or {}).items()}
@@ -70,8 +71,9 @@ def load_engines(rl: TrainEngine, load_dir: str, tag: str | None = None,
                                   f"{name}?). Fix: resume with the original algorithm, or start a new "
                                   "dsrl.run.output_dir.")
     if not isinstance(rl, RLEngine):  # the Megatron engine (dsrl.checkpoint.megatron_files)
+        from dsrl.backends.megatron.checkpoint import check_layout
         from dsrl.checkpoint import manifest
-        from dsrl.checkpoint.megatron_files import MegatronFiles, check_layout
+        from dsrl.checkpoint.megatron_files import MegatronFiles
 
         notice = check_layout(manifest.engine_layout(where), rl, where)
         _, state, rank_state = commit.load(MegatronFiles(rl), load_dir, tag)  # the engine's step state included

@@ -224,8 +224,8 @@ def export_checkpoint(source: str, out: str, dtype: str = "auto", overwrite: boo
     out = os.path.abspath(out)
     megatron = os.path.join(engine_dir, MEGATRON_DIR)
     if os.path.isdir(megatron):  # the Megatron engine's dist-checkpoint, any tensor and pipeline sizes
+        from dsrl.backends.megatron.checkpoint import model_tensors
         from dsrl.backends.megatron.hf_weights import hf_state_of_checkpoint
-        from dsrl.checkpoint.megatron_files import model_tensors
 
         state = hf_state_of_checkpoint(model_tensors(megatron), config)
     else:

@@ -316,8 +316,9 @@ RULES: tuple[Rule, ...] = (
          "dsrl.model.share_prompts with dsrl.engine.kind = 'megatron': shared rows need a 4-D attention mask, and "
          "megatron-core's rotary positions are each row's own. Fix: set share_prompts to false."),
     Rule("megatron-disaggregated", {"engine": _MEGATRON, "placement": _DISAGG},
-         "dsrl.rollout.placement = 'disaggregated' with dsrl.engine.kind = 'megatron': the trainers' weight stream to "
-         "generator ranks is not built from the Megatron engine yet. Fix: use placement 'colocated'."),
+         "dsrl.rollout.placement = 'disaggregated' with dsrl.engine.kind = 'megatron': megatron-core 0.16's parallel "
+         "state spans every rank of the job, so the generator ranks would join the trainers' data-parallel groups; "
+         "the trainers' engine over a sub-world is not built yet. Fix: use placement 'colocated'."),
 )
 
 

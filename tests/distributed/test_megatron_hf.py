@@ -59,8 +59,8 @@ def test_a_planted_value_head_error_fails_both_checks(tmp_path):
 def test_dsrl_export_reads_the_hf_weights_from_a_dist_checkpoint_of_any_layout(tmp_path):
     """Each model of the checks above (the three architectures and the value models, at TP = 2 and PP = 2)
     saved with megatron-core's dist-checkpointing and read back as ``dsrl export`` reads it
-    (:func:`dsrl.checkpoint.megatron_files.model_tensors`, :func:`hf_weights.hf_state_of_checkpoint`): the HF weights,
-    bit for bit, every name once; the planted bias above fails it."""
+    (:func:`dsrl.backends.megatron.checkpoint.model_tensors`, :func:`hf_weights.hf_state_of_checkpoint`): the HF
+    weights, bit for bit, every name once; the planted bias above fails it."""
     for extra in ((), ("--value",)):
         for r in _run(tmp_path, "--export", *extra):
             assert r["export_mismatched"] == [] and r["export_names"], r

@@ -96,8 +96,8 @@ def _exported(gpt, hf_config, directory: str) -> dict:
     """The HF state dict ``dsrl export`` reads from the model's dist-checkpoint (saved here by every rank)."""
     from megatron.core import dist_checkpointing
 
+    from dsrl.backends.megatron.checkpoint import model_tensors
     from dsrl.backends.megatron.engine import _stop_checkpoint_writer_queue
-    from dsrl.checkpoint.megatron_files import model_tensors
 
     os.makedirs(directory, exist_ok=True)
     dist_checkpointing.save(gpt.sharded_state_dict(), directory)
