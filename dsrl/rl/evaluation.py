@@ -56,10 +56,11 @@ from dsrl.core.seeds import eval_seed, forked_torch_rng
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.evalset import EvalPrompts, replica_calls
 from dsrl.rl.data.prompts import encode
-from dsrl.rl.data.replica import is_source, share_with_tensor_peers
+from dsrl.rl.data.replica import is_source
 from dsrl.rl.disagg.remote import GenerationStopped
 from dsrl.rl.episodes.driver import EpisodeRunner
 from dsrl.rl.rewards.scoring import Scorer
+from dsrl.rl.scored_generation import scored_groups
 from dsrl.rollout.base import RolloutBackend
 from dsrl.runtime.metrics import MetricsWriter
 from dsrl.runtime.stop import StopControl
@@ -308,18 +309,11 @@ class Evaluator:
         records = [self.prompts.records[i] for i in indices]
         prompt_ids = encode(self.tokenizer, [r["prompt"] for r in records], d.max_prompt_tokens, d.chat_template,
                             d.system_prompt).ids if records else []
-        k, scorer = self.settings.eval.samples_per_prompt, self.scorer
-        if episodes is not None:
-            trajs = episodes.run(records, prompt_ids, k, seed, labels=indices)
-            with self.watch.phase("evaluation"):
-                scores = scorer.model_scores([t.tokens for t in trajs])
-                return share_with_tensor_peers(self.view, lambda: scorer.trajectories(
-                    indices, records, trajs, version=0, model_scores=scores))
-        with self.watch.phase("evaluation"):
-            completions = backend.generate(prompt_ids, k, seed=seed)
-            scores = scorer.model_scores([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
-            return share_with_tensor_peers(self.view, lambda: scorer.completions(
-                indices, records, completions, version=0, model_scores=scores))
+        def phase() -> contextlib.AbstractContextManager[Any]:
+            return self.watch.phase("evaluation")
+
+        return scored_groups(self.view, self.scorer, backend, episodes, indices, records, prompt_ids,
+                             self.settings.eval.samples_per_prompt, seed, 0, generating=phase, scoring=phase)
 
     def _record(self, t: EvalTotals, rollout: int | None, optimizer_step: int | None,
                 seconds: float) -> dict[str, Any]:

@@ -28,8 +28,10 @@ Invariants kept by :class:`ExperienceMaker`:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,11 +48,12 @@ from dsrl.core.seeds import generation_seed
 from dsrl.rl.critic import NO_CRITIC, Critic, NoCritic
 from dsrl.rl.data.batching import Sample
 from dsrl.rl.data.prompts import PromptSource
-from dsrl.rl.data.replica import is_source, share_with_tensor_peers
+from dsrl.rl.data.replica import is_source
 from dsrl.rl.episodes.driver import EpisodeRunner
 from dsrl.rl.policy.actor import PolicyActor
 from dsrl.rl.rewards.scoring import Scorer
 from dsrl.rl.rollout_stats import RolloutStats
+from dsrl.rl.scored_generation import scored_groups
 from dsrl.rollout.base import RolloutBackend
 from dsrl.runtime.phases import PhaseClock
 from dsrl.runtime.watchdog import NO_WATCH, PhaseWatch
@@ -107,21 +110,19 @@ class ExperienceMaker:
 
     def _generate_groups(self, indices: list[int], seed: int) -> list[list[Sample]]:
         records, prompt_ids = self.prompts.encode(indices)
-        scorer = self.scorer
-        if self.episodes is not None:  # multi-turn trajectories, turn by turn (dsrl.rl.episodes.driver)
-            trajs = self.episodes.run(records, prompt_ids, self.plan.samples_per_prompt, seed, labels=indices)
+
+        @contextlib.contextmanager
+        def generating() -> Iterator[None]:
+            with self.watch.phase("generation"), self.phases.phase("generate"):
+                yield
+
+        @contextlib.contextmanager
+        def scoring() -> Iterator[None]:
             with self.watch.phase("reward"), self.phases.phase("reward"):
-                scores = scorer.model_scores([t.tokens for t in trajs])
-                return share_with_tensor_peers(self.view, lambda: scorer.trajectories(
-                    indices, records, trajs, version=self.version, model_scores=scores))
-        with self.watch.phase("generation"), self.phases.phase("generate"):
-            # Called even with no prompts: under ZeRO-3 every rank must enter generate's parameter gather.
-            completions = self.backend.generate(prompt_ids, self.plan.samples_per_prompt, seed=seed)
-        with self.watch.phase("reward"), self.phases.phase("reward"):
-            scores = scorer.model_scores([list(c.prompt_ids) + list(c.completion_ids) for c in completions])
-            # Tensor peers adopt their source's scored samples (dsrl.rl.data.replica rule 2).
-            return share_with_tensor_peers(self.view, lambda: scorer.completions(
-                indices, records, completions, version=self.version, model_scores=scores))
+                yield
+
+        return scored_groups(self.view, self.scorer, self.backend, self.episodes, indices, records, prompt_ids,
+                             self.plan.samples_per_prompt, seed, self.version, generating, scoring)
 
     def _shape_rewards(self, samples: list[Sample]) -> None:
         """DAPO overlong shaping and filtering; non-finite rewards mask their sample."""
