@@ -345,9 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     moe = settings_from(raw, args.routing_replay, args.router_aux_loss_coef)
     megatron = (raw["dsrl"].get("engine") or {}).get("kind") == "megatron"
     if megatron:  # dsrl.cli.check_engine_megatron: the engine launch/train.py builds
-        from dsrl.cli.check_engine_megatron import megatron_model_for, require_shim_without_cuda, run_megatron_case
+        from dsrl.cli.check_engine_megatron import (
+            MEGATRON_METHODS,
+            megatron_model_for,
+            require_shim_without_cuda,
+            run_megatron_case,
+        )
 
         require_shim_without_cuda()
+        if set(methods) - set(MEGATRON_METHODS):
+            parser.error(f"--method {','.join(sorted(set(methods) - set(MEGATRON_METHODS)))} with dsrl.engine.kind = "
+                         f"'megatron': use {', '.join(MEGATRON_METHODS)}")
         try:
             arch = megatron_model_for(args.model)
         except ValueError as e:
