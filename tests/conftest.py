@@ -159,6 +159,25 @@ def one_rank(args: list[str], timeout: float = 600) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def reward_model_job(tmp_path: Path) -> dict:
+    """configs/tiny_grpo_cpu.json with a tiny learned reward model (saved under ``tmp_path``) summed with the rule
+    reward, and DAPO's dynamic sampling after a 30-step supervised warm-up, which makes some prompts' completions
+    identical (flat groups, redrawn) and others not: the ranks score different numbers of sequences."""
+    from dsrl.config import ModelConfig
+    from dsrl.rl.policy.tokenizer import load_tokenizer
+    from dsrl.rl.rewards.model import save_tiny_reward_model
+
+    rm_dir = save_tiny_reward_model(str(tmp_path / "rm"), load_tokenizer(ModelConfig()))
+    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw["scheduler"]["params"]["warmup_num_steps"] = 2
+    raw["dsrl"]["algorithm"] = {"name": "dapo", "max_sampling_rounds": 4}
+    raw["dsrl"]["data"].update(reward_model=rm_dir, reward_model_weight=0.1)
+    raw["dsrl"]["sft"] = {"steps": 30}
+    raw["dsrl"]["batch"].update(prompts_per_rollout=8, samples_per_prompt=4, mini_batch_size=32)
+    raw["dsrl"]["rollout"].update(temperature=0.5, max_new_tokens=1, logprob_micro_batch_size=4)
+    return raw
+
+
 def write_json(path: Path, obj: dict) -> Path:
     path.write_text(json.dumps(obj, indent=1))
     return path

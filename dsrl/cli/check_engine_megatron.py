@@ -58,12 +58,7 @@ def _model(arch: str, objective: str, layers: int) -> torch.nn.Module:
     from dsrl.cli.check_models import hf_model
     from dsrl.cli.check_objectives import value_model
 
-    model = value_model(arch) if objective == "value" else hf_model(arch)
-    if layers == 1:
-        return model
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = layers
-    return type(model)(config).float()
+    return value_model(arch, layers) if objective == "value" else hf_model(arch, layers)
 
 
 def _with_rows(micro: dict[str, Any]) -> dict[str, Any]:

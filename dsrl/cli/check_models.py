@@ -32,13 +32,14 @@ class TinyCausalModel(torch.nn.Module):
         return self.out(torch.tanh(self.mix(h + prefix_mean)))
 
 
-def hf_model(arch: str) -> torch.nn.Module:
+def hf_model(arch: str, layers: int = 1) -> torch.nn.Module:
     """A tiny Hugging Face causal LM from a config (no download): Llama or Qwen2 (tied embeddings, GQA), a Llama
     with its own output head (``llama_untied``: under AutoTP a vocabulary-parallel head), or a Mixtral /
-    Qwen3-MoE (:func:`dsrl.cli.check_moe.moe_model`: 4 experts, top-2, eager expert loop)."""
+    Qwen3-MoE (:func:`dsrl.cli.check_moe.moe_model`: 4 experts, top-2, eager expert loop). ``layers``: the dense
+    models' depth (the Megatron engine's check splits two over its pipeline stages)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0)
     if arch in ("qwen2", "llama", "llama_untied"):
         cls = Qwen2Config if arch == "qwen2" else LlamaConfig

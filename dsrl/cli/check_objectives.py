@@ -31,13 +31,13 @@ RATIO_CLIP = 0.1  # gspo objective: clip_low = clip_high (the data's ratios fall
 VALUE_CLIP = 0.2  # value objective: |V - V_old| <= VALUE_CLIP
 
 
-def value_model(arch: str) -> torch.nn.Module:
+def value_model(arch: str, layers: int = 1) -> torch.nn.Module:
     """The critic's architecture (dsrl.critic): a tiny ``AutoModelForTokenClassification`` with one label and no
-    head dropout, Qwen2 (``tiny``/``auto``) or Llama."""
+    head dropout, Qwen2 (``tiny``/``auto``) or Llama, of ``layers`` decoder layers."""
     from transformers import AutoModelForTokenClassification, LlamaConfig, Qwen2Config
 
     cls = LlamaConfig if arch.startswith("llama") else Qwen2Config
-    config = cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+    config = cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0,
                  intermediate_size=2 * HIDDEN, num_labels=1, classifier_dropout=0.0)
     return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)

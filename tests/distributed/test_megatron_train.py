@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import EXTENDED, REPO, launch
+from conftest import EXTENDED, REPO, launch, reward_model_job
 
 pytest.importorskip("megatron.core")
 
@@ -224,18 +224,7 @@ def test_a_learned_reward_model_scores_beside_megatron_as_beside_deepspeed(tmp_p
     """A tiny learned reward model (summed with the rule reward) placed by the Megatron engine (a frozen replica on
     every rank) with DAPO's dynamic sampling, whose redraws give the ranks different numbers of sequences to score:
     at DP = 2 every rollout has DeepSpeed ZeRO-2's rewards and steps within 1e-5."""
-    from dsrl.config import ModelConfig
-    from dsrl.rl.policy.tokenizer import load_tokenizer
-    from dsrl.rl.rewards.model import save_tiny_reward_model
-
-    rm_dir = save_tiny_reward_model(str(tmp_path / "rm"), load_tokenizer(ModelConfig()))
-    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
-    raw["scheduler"]["params"]["warmup_num_steps"] = 2
-    raw["dsrl"]["algorithm"] = {"name": "dapo", "max_sampling_rounds": 4}
-    raw["dsrl"]["data"].update(reward_model=rm_dir, reward_model_weight=0.1)
-    raw["dsrl"]["sft"] = {"steps": 30}
-    raw["dsrl"]["batch"].update(prompts_per_rollout=8, samples_per_prompt=4, mini_batch_size=32)
-    raw["dsrl"]["rollout"].update(temperature=0.5, max_new_tokens=1, logprob_micro_batch_size=4)
+    raw = reward_model_job(tmp_path)
     rows = {}
     for name in ("deepspeed", "megatron"):
         run = raw if name == "deepspeed" else {k: v for k, v in raw.items() if k != "zero_optimization"}

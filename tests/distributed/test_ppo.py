@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from conftest import EXTENDED, REPO, launch
+from conftest import EXTENDED, REPO, launch, reward_model_job
 
 PPO = REPO / "configs" / "tiny_ppo_cpu.json"
 
@@ -132,21 +132,9 @@ def test_reward_model_zero3_uneven_prompt_counts(tmp_path):
     reward, sharded under ZeRO-3 (every parameter partitioned). DAPO's dynamic sampling redraws different numbers
     of prompts per rank, so the ranks score different numbers of sequences: filler forwards keep the sharded
     model's forwards equal (without them the job hangs)."""
-    from dsrl.config import ModelConfig
-    from dsrl.rl.policy.tokenizer import load_tokenizer
-    from dsrl.rl.rewards.model import save_tiny_reward_model
-
-    rm_dir = save_tiny_reward_model(str(tmp_path / "rm"), load_tokenizer(ModelConfig()))
-    raw = json.loads((REPO / "configs" / "tiny_grpo_cpu.json").read_text())
+    raw = reward_model_job(tmp_path)
     # persistence threshold 0: the tiny models' parameters are partitioned and gathered in every forward
     raw["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    raw["scheduler"]["params"]["warmup_num_steps"] = 2
-    raw["dsrl"]["algorithm"] = {"name": "dapo", "max_sampling_rounds": 4}
-    raw["dsrl"]["data"].update(reward_model=rm_dir, reward_model_weight=0.1)
-    # a supervised warm-up makes some prompts' completions identical (flat groups, redrawn), others not
-    raw["dsrl"]["sft"] = {"steps": 30}
-    raw["dsrl"]["batch"].update(prompts_per_rollout=8, samples_per_prompt=4, mini_batch_size=32)
-    raw["dsrl"]["rollout"].update(temperature=0.5, max_new_tokens=1, logprob_micro_batch_size=4)
     (tmp_path / "run.json").write_text(json.dumps(raw))
     out = tmp_path / "out"
     launch(["launch/train.py", "--ds_config", str(tmp_path / "run.json"), "--dsrl.run.rollouts", "3",

@@ -63,9 +63,11 @@ class VocabParallelHead(torch.nn.Module):
         return gather_from_tensor_model_parallel_region(local, group=group) if group.size() > 1 else local
 
 
-class GPTCausalLM(torch.nn.Module):
-    """``chunk`` (a ``GPTModel`` wrapped in megatron-core's DDP) as a Hugging Face causal LM (module docstring).
-    ``config`` is the HF model's config (the fused log-probs read its logit post-processing fields)."""
+class _ChunkFace(torch.nn.Module):
+    """What both faces of a ``GPTModel`` chunk share: the chunk and its HF ``config``, the unwrapped ``gpt`` (not a
+    submodule: its parameters stay listed once), the pad row's lookup without gradient on the first stage, whether
+    this stage is the last, and the rows it runs (right-padded with a ``[b, s]`` attention mask, positions
+    ``0 .. s-1`` by default)."""
 
     def __init__(self, chunk: Any, config: Any):
         super().__init__()
@@ -75,24 +77,45 @@ class GPTCausalLM(torch.nn.Module):
         self.config = config
         gpt = unwrap_model(chunk)
         object.__setattr__(self, "gpt", gpt)
+        pad = getattr(config, "pad_token_id", None)
+        if gpt.pre_process and pad is not None:
+            _padding_row_without_lookup_gradient(gpt.embedding.word_embeddings, int(pad))
+
+    @property
+    def post_process(self) -> bool:
+        """Whether this pipeline stage holds the output head (the last stage)."""
+        return bool(self.gpt.post_process)
+
+    @staticmethod
+    def _positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The rows' positions, after refusing rows that are not right-padded ``[b, s]`` ones."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            raise ValueError("the Megatron engine runs right-padded rows with a [b, s] attention_mask; packed rows "
+                             "and prompt-shared rows are not supported on it. Fix: set dsrl.model.packing = false "
+                             "and dsrl.model.share_prompts = false.")
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return position_ids
+
+
+class GPTCausalLM(_ChunkFace):
+    """``chunk`` (a ``GPTModel`` wrapped in megatron-core's DDP) as a Hugging Face causal LM (module docstring).
+    ``config`` is the HF model's config (the fused log-probs read its logit post-processing fields)."""
+
+    def __init__(self, chunk: Any, config: Any):
+        super().__init__(chunk, config)
+        gpt = self.gpt
         if gpt.post_process and gpt.output_layer.sequence_parallel:
             raise ValueError("dsrl.engine sequence_parallel = true splits the hidden states along the sequence before "
                              "the output head, where dsrl's fused log-probs need every position. Fix: set "
                              "sequence_parallel to false.")
-        pad = getattr(config, "pad_token_id", None)
-        if gpt.pre_process and pad is not None:
-            _padding_row_without_lookup_gradient(gpt.embedding.word_embeddings, int(pad))
         head = VocabParallelHead(gpt) if gpt.post_process else None
         object.__setattr__(self, "head", head)
         if head is not None:
             group = gpt.output_layer.tp_group
             rows = gpt.output_layer.output_size_per_partition
             declare_vocab_shard(head, VocabShard(group if group.size() > 1 else None, group.rank() * rows, rows))
-
-    @property
-    def post_process(self) -> bool:
-        """Whether this pipeline stage holds the output head (the last stage)."""
-        return bool(self.gpt.post_process)
 
     def get_output_embeddings(self) -> VocabParallelHead | None:
         return self.head
@@ -101,9 +124,7 @@ class GPTCausalLM(torch.nn.Module):
                 position_ids: torch.Tensor | None = None, use_cache: bool = False) -> torch.Tensor:
         """The head's output ``[b, s, ...]`` (logits, or what the fused log-probs put in their place) on the last
         stage; the stage's output hidden states ``[s, b, H]`` on an earlier one."""
-        _check_rows(attention_mask)
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        position_ids = self._positions(input_ids, attention_mask, position_ids)
         if self.head is None:
             return self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
         with _output_layer_passed_through(self.gpt):
@@ -111,46 +132,20 @@ class GPTCausalLM(torch.nn.Module):
         return self.head(hidden)
 
 
-class GPTValueModel(torch.nn.Module):
+class GPTValueModel(_ChunkFace):
     """``chunk`` (a value model's ``GPTModel``, :func:`dsrl.backends.megatron.hf_weights.build_gpt_model` with
     ``value_head``, wrapped in megatron-core's DDP) as a Hugging Face ``AutoModelForTokenClassification`` with one
     label, the face :func:`dsrl.rl.critic.forward_values` calls: on the last stage the output's ``logits`` are the
     values ``[b, s, 1]``; an earlier stage returns its output ``[s, b, H]`` for the next, as :class:`GPTCausalLM`
-    does. The same rows as :class:`GPTCausalLM` (right-padded, a ``[b, s]`` attention mask)."""
-
-    def __init__(self, chunk: Any, config: Any):
-        super().__init__()
-        from megatron.core.utils import unwrap_model
-
-        self.chunk = chunk
-        self.config = config
-        gpt = unwrap_model(chunk)
-        object.__setattr__(self, "gpt", gpt)
-        pad = getattr(config, "pad_token_id", None)
-        if gpt.pre_process and pad is not None:
-            _padding_row_without_lookup_gradient(gpt.embedding.word_embeddings, int(pad))
-
-    @property
-    def post_process(self) -> bool:
-        """Whether this pipeline stage holds the value head (the last stage)."""
-        return bool(self.gpt.post_process)
+    does."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool = False) -> Any:
         from transformers.modeling_outputs import TokenClassifierOutput
 
-        _check_rows(attention_mask)
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        position_ids = self._positions(input_ids, attention_mask, position_ids)
         out = self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
         return TokenClassifierOutput(logits=out) if self.post_process else out
-
-
-def _check_rows(attention_mask: torch.Tensor | None) -> None:
-    if attention_mask is None or attention_mask.dim() != 2:
-        raise ValueError("the Megatron engine runs right-padded rows with a [b, s] attention_mask; packed rows "
-                         "and prompt-shared rows are not supported on it. Fix: set dsrl.model.packing = false "
-                         "and dsrl.model.share_prompts = false.")
 
 
 def _padding_row_without_lookup_gradient(embedding: torch.nn.Module, pad_id: int) -> None:

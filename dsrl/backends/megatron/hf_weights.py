@@ -81,7 +81,7 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, po
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
+    tied = _ties_head(hf_config, value_head)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
                    max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process,
                    post_process=post_process, parallel_output=parallel_output,
@@ -90,6 +90,11 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, po
     if value_head and post_process:
         gpt.output_layer = ValueHead(config.hidden_size, config.params_dtype)
     return gpt
+
+
+def _ties_head(hf_config: Any, value: bool) -> bool:
+    """Whether the model's output head is its embedding: the HF config ties them, and it is not a value model."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False)) and not value
 
 
 class ValueHead(torch.nn.Module):
@@ -257,8 +262,8 @@ def load_hf_weights(model: Any, hf_config: Any, state: Mapping[str, torch.Tensor
     lay = _Layout(hf_config, tp_rank, tp_size, value)
     names = list(params)
     used: set[str] = set()
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    for mcore, hf_names in _pairs(names, offset, tied and not value, value):
+    tied = _ties_head(hf_config, value)
+    for mcore, hf_names in _pairs(names, offset, tied, value):
         missing = [n for n in hf_names if n not in state]
         if missing:
             raise ValueError(f"the Hugging Face weights lack {', '.join(missing)} (for megatron-core {mcore})")
@@ -300,9 +305,9 @@ def iter_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> Iterato
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     params, offset, value = _stage(model)
     lay = _Layout(hf_config, rank, size, value)
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    for mcore, hf_names in _pairs(list(params), offset, tied and not value, value):
-        if tied and not value and mcore == "output_layer.weight":
+    tied = _ties_head(hf_config, value)
+    for mcore, hf_names in _pairs(list(params), offset, tied, value):
+        if tied and mcore == "output_layer.weight":
             continue  # the last stage's copy of the embedding: the HF model has it once
         local = params[mcore].detach()
         parts = [local]
@@ -345,7 +350,7 @@ def hf_state_of_checkpoint(tensors: Mapping[str, torch.Tensor], hf_config: Any) 
         else:
             params[key] = tensor
     value = "output_layer.bias" in params
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value
+    tied = _ties_head(hf_config, value)
     lay = _Layout(hf_config, 0, 1, value)
     out: dict[str, torch.Tensor] = {}
     for mcore, hf_names in _pairs(list(params), 0, tied, value):
