@@ -107,7 +107,7 @@ from dsrl.core.logprobs import LOGPROB_MASK
 # (max 65504), so fp16 runs keep 2**10.
 LR = float(2**20)
 LR_FP16 = float(2**10)
-MODELS = ("auto", "tiny", "llama", "llama_untied", "qwen2", *MOE_ARCHS)
+MODELS = ("auto", "tiny", "llama", "llama_untied", "qwen2", "qwen3", *MOE_ARCHS)
 # --method values: dsrl; naive (per-micro-batch mean, expected to fail); world_count (dsrl's step with the
 # counts summed over the whole world instead of the data-parallel group: under TP the wrong factor 1/tp);
 # count_observations (--data multiturn: dsrl's step on samples whose observation tokens are counted, a planted bug);
@@ -295,12 +295,12 @@ def main(argv: list[str] | None = None) -> int:
                              "done / one token late; all but dsrl are expected to fail (they show the check can fail); "
                              "only dsrl results count towards the exit code")
     parser.add_argument("--model", default="auto",
-                        help="tiny (custom), llama, llama_untied (its own output head), qwen2, mixtral or qwen3_moe "
-                             "(tiny Hugging Face models); auto = tiny, or llama under AutoTP, mixtral under AutoEP or "
-                             "with routing replay / a load-balancing loss (2 layers then); or a Hugging Face model "
-                             "directory: a real pretrained causal LM (e.g. dsrl prepare-model's), checked in float32 "
-                             "against the float32 mini-batch loss over the same micro-batches (the error against "
-                             "float64 printed beside it)")
+                        help="tiny (custom), llama, llama_untied (its own output head), qwen2, qwen3, mixtral or "
+                             "qwen3_moe (tiny Hugging Face models); auto = tiny, or llama under AutoTP, mixtral under "
+                             "AutoEP or with routing replay / a load-balancing loss (2 layers then); or a Hugging Face "
+                             "model directory: a real pretrained causal LM (e.g. dsrl prepare-model's), checked in "
+                             "float32 against the float32 mini-batch loss over the same micro-batches (the error "
+                             "against float64 printed beside it)")
     parser.add_argument("--routing_replay", default=None, choices=("off", "rollout"),
                         help="MoE: force random routes in dsrl's forwards and the reference's (default: the run "
                              "file's dsrl.model.routing_replay)")

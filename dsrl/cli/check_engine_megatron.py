@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: the built-in models the Megatron engine's map serves (dense Hugging Face Llama / Qwen2)
-MEGATRON_MODELS = ("llama", "llama_untied", "qwen2")
+#: the built-in models the Megatron engine's map serves (dense Hugging Face Llama / Qwen2 / Qwen3)
+MEGATRON_MODELS = ("llama", "llama_untied", "qwen2", "qwen3")
 #: the --method values that mean something on the Megatron engine (no MoE routes, no count-group choice)
 MEGATRON_METHODS = ("dsrl", "naive", "count_observations")
 SGD_LR = float(2**20)  # as dsrl.check's: lr * g is exact

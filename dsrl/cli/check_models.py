@@ -1,14 +1,14 @@
 """The models of ``dsrl.check`` (:mod:`dsrl.cli.check`): built from a config and the current torch seed, never
 downloaded. A tiny custom causal model whose right padding never changes earlier positions, tiny Hugging Face
-Llama / Qwen2 models (tied heads, GQA; ``llama_untied``: its own output head, vocabulary-parallel under AutoTP),
-and the MoE models of :mod:`dsrl.cli.check_moe`."""
+Llama / Qwen2 / Qwen3 models (tied heads, GQA; ``llama_untied``: its own output head, vocabulary-parallel under
+AutoTP; Qwen3's per-head q/k norms), and the MoE models of :mod:`dsrl.cli.check_moe`."""
 
 from __future__ import annotations
 
 import torch
 
 from dsrl.cli.check_moe import MoESettings, moe_model
-from dsrl.cli.check_objectives import HIDDEN, MAX_LEN, VOCAB, value_model
+from dsrl.cli.check_objectives import DENSE_CONFIGS, HIDDEN, VOCAB, dense_config, value_model
 
 
 class TinyCausalModel(torch.nn.Module):
@@ -33,17 +33,14 @@ class TinyCausalModel(torch.nn.Module):
 
 
 def hf_model(arch: str, layers: int = 1) -> torch.nn.Module:
-    """A tiny Hugging Face causal LM from a config (no download): Llama or Qwen2 (tied embeddings, GQA), a Llama
+    """A tiny Hugging Face causal LM from a config (no download): Llama, Qwen2 or Qwen3 (tied embeddings, GQA), a Llama
     with its own output head (``llama_untied``: under AutoTP a vocabulary-parallel head), or a Mixtral /
     Qwen3-MoE (:func:`dsrl.cli.check_moe.moe_model`: 4 experts, top-2, eager expert loop). ``layers``: the dense
     models' depth (the Megatron engine's check splits two over its pipeline stages)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0)
-    if arch in ("qwen2", "llama", "llama_untied"):
-        cls = Qwen2Config if arch == "qwen2" else LlamaConfig
-        config = cls(intermediate_size=2 * HIDDEN, tie_word_embeddings=arch != "llama_untied", **common)
+    if arch in DENSE_CONFIGS:
+        config = dense_config(arch, layers, tie_word_embeddings=arch != "llama_untied")
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return moe_model(arch)
 

@@ -31,15 +31,28 @@ RATIO_CLIP = 0.1  # gspo objective: clip_low = clip_high (the data's ratios fall
 VALUE_CLIP = 0.2  # value objective: |V - V_old| <= VALUE_CLIP
 
 
+#: the tiny dense Hugging Face architectures of dsrl.check (``--model``) -> their transformers config class
+DENSE_CONFIGS = {"llama": "LlamaConfig", "llama_untied": "LlamaConfig", "qwen2": "Qwen2Config",
+                 "qwen3": "Qwen3Config"}
+
+
+def dense_config(arch: str, layers: int = 1, **extra: Any) -> Any:
+    """The tiny config of a dense architecture of :data:`DENSE_CONFIGS`: 4 query heads of 4 dimensions over 2 KV
+    heads, ``layers`` decoder layers, pad id 0, ``extra`` added."""
+    import transformers
+
+    cls = getattr(transformers, DENSE_CONFIGS[arch])
+    return cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=HIDDEN // 4, max_position_embeddings=4 * MAX_LEN, pad_token_id=0,
+               intermediate_size=2 * HIDDEN, **extra)
+
+
 def value_model(arch: str, layers: int = 1) -> torch.nn.Module:
     """The critic's architecture (dsrl.critic): a tiny ``AutoModelForTokenClassification`` with one label and no
-    head dropout, Qwen2 (``tiny``/``auto``) or Llama, of ``layers`` decoder layers."""
-    from transformers import AutoModelForTokenClassification, LlamaConfig, Qwen2Config
+    head dropout, of ``arch`` (:data:`DENSE_CONFIGS`; Qwen2 for ``tiny``/``auto``), of ``layers`` decoder layers."""
+    from transformers import AutoModelForTokenClassification
 
-    cls = LlamaConfig if arch.startswith("llama") else Qwen2Config
-    config = cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=4 * MAX_LEN, pad_token_id=0,
-                 intermediate_size=2 * HIDDEN, num_labels=1, classifier_dropout=0.0)
+    config = dense_config(arch if arch in DENSE_CONFIGS else "qwen2", layers, num_labels=1, classifier_dropout=0.0)
     return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
 
 

@@ -37,7 +37,8 @@ class EngineConfig(Section):
     expert_model_parallel_size: int = setting(
         1, "kind 'megatron': ranks that split a mixture-of-experts model's experts; only 1 (dense models)", ge=1)
     sequence_parallel: bool = setting(
-        False, "kind 'megatron': megatron-core's sequence parallelism of the tensor group; only false")
+        False, "kind 'megatron': megatron-core's sequence parallelism: the tensor group also splits the positions "
+               "outside attention and MLP (activation memory / TP); needs tensor_model_parallel_size >= 2")
 
     @property
     def model_parallel_size(self) -> int:
@@ -47,9 +48,9 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _layout_of_its_kind(self) -> EngineConfig:
-        """Megatron's sizes belong to kind 'megatron'; of them, context and expert parallelism and sequence
-        parallelism are not built under launch/train.py (megatron-core's local layer spec has no context-parallel
-        attention, dsrl's HF weight map is dense, and dsrl's fused head needs every position)."""
+        """Megatron's sizes belong to kind 'megatron'; of them, context and expert parallelism are not built under
+        launch/train.py (megatron-core's local layer spec has no context-parallel attention, dsrl's HF weight map is
+        dense), and sequence parallelism needs a tensor group to split the positions over."""
         p = self.PATH
         set_here = [name for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                       "context_parallel_size", "expert_model_parallel_size")
@@ -69,9 +70,10 @@ class EngineConfig(Section):
                 problems.append(f"{p}.expert_model_parallel_size = {self.expert_model_parallel_size}: dsrl's HF "
                                 "weight map for megatron-core is for dense models. Fix: set it to 1, or train the "
                                 "mixture-of-experts model on dsrl.engine.kind 'deepspeed' (AutoEP).")
-            if self.sequence_parallel:
-                problems.append(f"{p}.sequence_parallel: it splits the positions over the tensor group, and dsrl's "
-                                "fused log-prob head needs every position on each rank. Fix: set it to false.")
+            if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+                problems.append(f"{p}.sequence_parallel with {p}.tensor_model_parallel_size = 1: megatron-core's "
+                                "sequence parallelism splits the positions over the tensor group. Fix: set "
+                                "tensor_model_parallel_size >= 2, or sequence_parallel to false.")
         if problems:
             raise problems_error(problems)
         return self

@@ -21,7 +21,8 @@ Three phases, each a dict of parts (bytes) whose sum is the phase's total:
 On the Megatron engine (``dsrl.engine.kind = "megatron"``) the model states are this rank's TP x PP shard
 (:func:`megatron_states`), and every phase holds the rollout model, a full Hugging Face replica on every rank
 (``rollout_replica``), which generates (its KV cache unsharded) and receives the engine's weights at each sync;
-frozen models are full replicas too.
+frozen models are full replicas too. Its tensor group splits the attention and MLP activations; the hidden-sized ones
+(the norms', the residual stream) only under sequence parallelism (``dsrl.engine.sequence_parallel``).
 
 The model states follow DeepSpeed's own accounting (``estimate_zero2_model_states_mem_needs`` /
 ``estimate_zero3_model_states_mem_needs`` of DeepSpeed 0.19.8, 16-bit weights with Adam: 2 + 18/D bytes per
@@ -109,6 +110,7 @@ class MemorySetup:
     megatron: bool = False  # dsrl.engine.kind = "megatron" (:func:`megatron_states`, an HF replica for generation)
     pipeline_parallel: int = 1  # the Megatron engine's pipeline stages
     distributed_optimizer: bool = False  # megatron-core's distributed optimizer (on GPUs): states sharded over D
+    sequence_parallel: bool = False  # megatron-core's: the tensor group splits the hidden-sized activations too
 
     @property
     def sharded_for_generation(self) -> int:
@@ -152,7 +154,8 @@ class MemorySetup:
                    reference_copy=d.algorithm.kl_coef > 0 and d.model.lora is None, reward_model=reward_model,
                    critic=critic if d.has_critic else None, megatron=megatron,
                    pipeline_parallel=d.engine.pipeline_model_parallel_size if megatron else 1,
-                   distributed_optimizer=megatron and on_gpu)
+                   distributed_optimizer=megatron and on_gpu,
+                   sequence_parallel=megatron and d.engine.sequence_parallel)
 
 
 def _device_set(section: Any) -> bool:
@@ -202,10 +205,14 @@ TRAINING_STATE = ("gradients", "master_weights", "optimizer_states")
 
 
 # --------------------------------------------------------------------------------------------------- the phases
+#: hidden-sized tensors one token keeps per decoder layer for its backward (the two norms' inputs and outputs)
+_HIDDEN_SIZED = 4
+
+
 def _per_layer_train(s: ModelShape, b: int) -> int:
     """Bytes one token keeps in one decoder layer for its backward (module docstring)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    return b * (4 * s.hidden + 2 * q + 2 * kv + 4 * s.mlp_width) + 8
+    return b * (_HIDDEN_SIZED * s.hidden + 2 * q + 2 * kv + 4 * s.mlp_width) + 8
 
 
 def _per_layer_nograd(s: ModelShape, b: int) -> int:
@@ -316,8 +323,15 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
         tr.parts.update(frozen)
     tr.parts.update(kept_backend)
     per_layer = _per_layer_train(s, b) // tp
+    layer_input = s.hidden * b  # what checkpointing keeps of each layer
+    if m.megatron and tp > 1:  # megatron-core's tensor group replicates the hidden-sized activations (the norms'
+        # inputs, the residual stream) unless sequence parallelism splits them along the sequence
+        if m.sequence_parallel:
+            layer_input //= tp
+        else:
+            per_layer += _HIDDEN_SIZED * s.hidden * b * (tp - 1) // tp
     if m.gradient_checkpointing:
-        tr.parts["activations"] = m.train_tokens * (s.layers * s.hidden * b + per_layer)
+        tr.parts["activations"] = m.train_tokens * (s.layers * layer_input + per_layer)
     else:
         tr.parts["activations"] = m.train_tokens * s.layers * per_layer
     tr.parts["logit_chunk"] = _logit_chunk(m.train_tokens, s.vocab // tp) + 4 * m.train_tokens * s.hidden

@@ -41,10 +41,13 @@ def test_the_shipped_megatron_run_file_is_the_default_job_on_another_engine():
 def test_the_engine_section_refuses_what_it_cannot_lay_out_all_at_once():
     with pytest.raises(ConfigError) as e:
         load_config(_raw(kind="megatron", context_parallel_size=2, expert_model_parallel_size=2,
-                         sequence_parallel=True))
+                         sequence_parallel=True))  # with tensor_model_parallel_size = 1: nothing to split over
     text = str(e.value)
     assert text.startswith("3 problems:") and "context_parallel_size = 2" in text
-    assert "expert_model_parallel_size = 2" in text and "sequence_parallel" in text and text.count("Fix:") == 3
+    assert "expert_model_parallel_size = 2" in text and text.count("Fix:") == 3
+    assert "sequence_parallel with dsrl.engine.tensor_model_parallel_size = 1" in text
+    sp = load_config(_raw(kind="megatron", tensor_model_parallel_size=2, sequence_parallel=True)).dsrl.engine
+    assert sp.sequence_parallel and sp.model_parallel_size == 2  # the tensor group splits the positions too
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size set with dsrl.engine.kind = 'deepspeed'"):
         load_config(_raw(tensor_model_parallel_size=2))
 

@@ -253,3 +253,13 @@ def test_the_megatron_engine_holds_its_shard_and_a_full_replica():
     assert base["generation"].parts["rollout_replica"] == base["training"].parts["weights"]  # both float32, N
     states = megatron_states(1000, 1000, 4, 2, 4, distributed_optimizer=True)
     assert states == {"weights": 2000, "gradients": 2000, "master_weights": 0, "optimizer_states": 1000}
+
+
+def test_sequence_parallelism_splits_the_hidden_sized_activations_over_the_tensor_group():
+    """Without it megatron-core's tensor group holds every token's norm inputs and residual stream whole; with it each
+    rank holds 1 / TP of them, as of the attention and MLP activations, and nothing else changes."""
+    plain, _, _ = _phases(_cfg("tiny_grpo_megatron_cpu.json"), ranks=2)  # TP = 2
+    split, _, _ = _phases(_cfg("tiny_grpo_megatron_cpu.json", engine={"sequence_parallel": True}), ranks=2)
+    assert split["training"].parts["activations"] < plain["training"].parts["activations"]
+    assert {k: v for k, v in split["training"].parts.items() if k != "activations"} == \
+        {k: v for k, v in plain["training"].parts.items() if k != "activations"}

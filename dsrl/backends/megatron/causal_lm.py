@@ -20,8 +20,10 @@ A lookup of the HF config's ``pad_token_id`` passes no gradient to its embedding
 
 Invariants: the rows are right-padded with positions ``0 .. s-1`` (dsrl's collate), so the causal mask alone is
 the attention mask and rotary positions are the sequence index; packed rows and prompt-shared rows (no
-``attention_mask``, or a 4-D one) are refused, as is sequence parallelism at the head (the hidden states would be
-split along the sequence). The head's own forward (the logits path) gathers the full vocabulary.
+``attention_mask``, or a 4-D one) are refused. Under sequence parallelism the rows are padded to a multiple of the
+tensor-parallel size and the last stage's output is gathered along the sequence before the head (every rank of the
+group then runs the head on every position, as without it: :mod:`dsrl.backends.megatron.sequence_parallel`). The
+head's own forward (the logits path) gathers the full vocabulary.
 """
 
 from __future__ import annotations
@@ -77,7 +79,14 @@ class _ChunkFace(torch.nn.Module):
         self.config = config
         gpt = unwrap_model(chunk)
         object.__setattr__(self, "gpt", gpt)
+        # sequence parallelism: the tensor group splits the positions (dsrl.backends.megatron.sequence_parallel)
+        self.split_group = None
+        if gpt.config.sequence_parallel:
+            from megatron.core import parallel_state as ps
+
+            self.split_group = ps.get_tensor_model_parallel_group()
         pad = getattr(config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0
         if gpt.pre_process and pad is not None:
             _padding_row_without_lookup_gradient(gpt.embedding.word_embeddings, int(pad))
 
@@ -86,17 +95,30 @@ class _ChunkFace(torch.nn.Module):
         """Whether this pipeline stage holds the output head (the last stage)."""
         return bool(self.gpt.post_process)
 
-    @staticmethod
-    def _positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   position_ids: torch.Tensor | None) -> torch.Tensor:
-        """The rows' positions, after refusing rows that are not right-padded ``[b, s]`` ones."""
+    def _rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+              position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the chunk runs and their positions, after refusing rows that are not right-padded ``[b, s]``
+        ones; under sequence parallelism padded on the right to a multiple of the tensor-parallel size."""
         if attention_mask is None or attention_mask.dim() != 2:
             raise ValueError("the Megatron engine runs right-padded rows with a [b, s] attention_mask; packed rows "
                              "and prompt-shared rows are not supported on it. Fix: set dsrl.model.packing = false "
                              "and dsrl.model.share_prompts = false.")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        return position_ids
+        if self.split_group is None:
+            return input_ids, position_ids
+        from dsrl.backends.megatron.sequence_parallel import pad_rows
+
+        return pad_rows(input_ids, position_ids, self.split_group.size(), self.pad_id)
+
+    def _whole(self, out: torch.Tensor, length: int) -> torch.Tensor:
+        """The last stage's output ``[b, s, ...]`` of the ``length`` real positions: gathered over the tensor group
+        under sequence parallelism (:func:`dsrl.backends.megatron.sequence_parallel.gather_positions`)."""
+        if self.split_group is None:
+            return out
+        from dsrl.backends.megatron.sequence_parallel import gather_positions
+
+        return gather_positions(out, self.split_group, length)
 
 
 class GPTCausalLM(_ChunkFace):
@@ -106,10 +128,6 @@ class GPTCausalLM(_ChunkFace):
     def __init__(self, chunk: Any, config: Any):
         super().__init__(chunk, config)
         gpt = self.gpt
-        if gpt.post_process and gpt.output_layer.sequence_parallel:
-            raise ValueError("dsrl.engine sequence_parallel = true splits the hidden states along the sequence before "
-                             "the output head, where dsrl's fused log-probs need every position. Fix: set "
-                             "sequence_parallel to false.")
         head = VocabParallelHead(gpt) if gpt.post_process else None
         object.__setattr__(self, "head", head)
         if head is not None:
@@ -124,12 +142,13 @@ class GPTCausalLM(_ChunkFace):
                 position_ids: torch.Tensor | None = None, use_cache: bool = False) -> torch.Tensor:
         """The head's output ``[b, s, ...]`` (logits, or what the fused log-probs put in their place) on the last
         stage; the stage's output hidden states ``[s, b, H]`` on an earlier one."""
-        position_ids = self._positions(input_ids, attention_mask, position_ids)
+        length = input_ids.shape[1]
+        input_ids, position_ids = self._rows(input_ids, attention_mask, position_ids)
         if self.head is None:
             return self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
         with _output_layer_passed_through(self.gpt):
             hidden = self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
-        return self.head(hidden)
+        return self.head(self._whole(hidden, length))
 
 
 class GPTValueModel(_ChunkFace):
@@ -143,9 +162,10 @@ class GPTValueModel(_ChunkFace):
                 position_ids: torch.Tensor | None = None, use_cache: bool = False) -> Any:
         from transformers.modeling_outputs import TokenClassifierOutput
 
-        position_ids = self._positions(input_ids, attention_mask, position_ids)
+        length = input_ids.shape[1]
+        input_ids, position_ids = self._rows(input_ids, attention_mask, position_ids)
         out = self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
-        return TokenClassifierOutput(logits=out) if self.post_process else out
+        return TokenClassifierOutput(logits=self._whole(out, length)) if self.post_process else out
 
 
 def _padding_row_without_lookup_gradient(embedding: torch.nn.Module, pad_id: int) -> None:
@@ -153,11 +173,13 @@ def _padding_row_without_lookup_gradient(embedding: torch.nn.Module, pad_id: int
     ``nn.Embedding(padding_idx=pad_id)`` does: a lookup of it passes no gradient to its row (a tied head still trains
     the row through the logits). Without this the two engines differ wherever the pad token is an input (SmolLM2's pad
     is its end-of-turn token, inside every chat prompt)."""
+    from dsrl.backends.megatron.sequence_parallel import embedding_slice
+
     lookup = embedding.forward
 
     def forward(input_: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = lookup(input_, *args, **kwargs)
-        return torch.where((input_ != pad_id).unsqueeze(-1), out, out.detach())
+        out = lookup(input_, *args, **kwargs)  # [b, s, H], or [s / tp, b, H] reduce-scattered (sequence parallel)
+        return torch.where(embedding_slice(input_ != pad_id, out, embedding), out, out.detach())
 
     embedding.forward = forward
 

@@ -23,8 +23,9 @@ Checkpoints go through megatron-core's dist-checkpointing (:meth:`MegatronEngine
 ``load_checkpoint``). ``launch/train.py`` builds this engine for ``dsrl.engine.kind = "megatron"``
 (:mod:`dsrl.rl.run.engines`), with the ds_config's optimizer (:mod:`dsrl.backends.megatron.run_file`), dsrl's
 schedule and, on the CPU, dsrl's gradient clipping (:func:`clip_grad_norm_on_host`). Not built yet (ARCHITECTURE §4
-"(engine)"; issue 40): context, expert and sequence parallelism (refused by :class:`MegatronLayout`), mixed
-precision, and generator ranks fed from it.
+"(engine)"; issue 40): context and expert parallelism (refused by :class:`MegatronLayout`), mixed precision, and
+generator ranks fed from it. Sequence parallelism (megatron-core's, over the tensor group) runs:
+:mod:`dsrl.backends.megatron.sequence_parallel`.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ class MegatronLayout:
         if self.expert_model_parallel_size != 1:
             out.append("expert_model_parallel_size > 1: the Hugging Face weight map serves dense Llama / Qwen2 / "
                        "Qwen3 models only. Fix: set expert_model_parallel_size to 1.")
-        if self.sequence_parallel:
-            out.append("sequence_parallel = true: dsrl's fused log-probs need every position's hidden state at the "
-                       "output head. Fix: set sequence_parallel to false.")
+        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+            out.append("sequence_parallel = true with tensor_model_parallel_size = 1: megatron-core's sequence "
+                       "parallelism splits the positions over the tensor group. Fix: set tensor_model_parallel_size "
+                       ">= 2, or sequence_parallel to false.")
         return out
 
 
@@ -369,6 +371,7 @@ def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: Bat
     config = hf_weights.gpt_config(
         hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         calculate_per_token_loss=True, use_cpu_initialization=not on_gpu, pipeline_dtype=torch.float32,
+        sequence_parallel=layout.sequence_parallel,
         # pipeline stages exchange activations of each micro-batch's own shape (megatron-core refuses that with its
         # all-gather MoE dispatcher, even for a dense model)
         variable_seq_lengths=pp > 1, **({"moe_token_dispatcher_type": "alltoall"} if pp > 1 else {}))

@@ -78,9 +78,10 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, po
     ``value_head`` it is the HF ``AutoModelForTokenClassification(num_labels=1)`` (a value model): the output layer is
     a :class:`ValueHead`, replicated over the tensor-parallel group, and nothing is tied."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    from dsrl.backends.megatron.sequence_parallel import layer_spec
+
+    spec = layer_spec(config)  # megatron-core's local spec (its norms marked for sequence parallelism when on)
     tied = _ties_head(hf_config, value_head)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
                    max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process,
@@ -88,7 +89,7 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, po
                    share_embeddings_and_output_weights=tied, position_embedding_type="rope",
                    rotary_base=rope_theta(hf_config))
     if value_head and post_process:
-        gpt.output_layer = ValueHead(config.hidden_size, config.params_dtype)
+        gpt.output_layer = ValueHead(config.hidden_size, config.params_dtype, config.sequence_parallel)
     return gpt
 
 
@@ -102,14 +103,18 @@ class ValueHead(torch.nn.Module):
     ``score``, ``Linear(H, 1)``), replicated on every tensor-parallel rank (named ``output_layer.*`` as megatron-core's
     checkpointing expects of a post-process stage). Every rank of the group computes the same values from the same
     hidden states, so each computes the whole gradient of its copy and of the hidden states: no collective is needed
-    (as for the final norm); the gradient norm counts the copy once (it is not marked tensor-parallel)."""
+    (as for the final norm); the gradient norm counts the copy once (it is not marked tensor-parallel). Under
+    sequence parallelism (``split_positions``) each rank sees a slice of the positions, so its gradient is a partial
+    sum, marked ``sequence_parallel`` for ``finalize_model_grads`` to add up over the group, as the norms' are."""
 
-    sequence_parallel = False
+    sequence_parallel = False  # the layer does not gather its input (the model's face gathers its output)
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, split_positions: bool = False):
         super().__init__()
         score = torch.nn.Linear(hidden_size, 1, dtype=dtype)  # HF's initialisation (overwritten by the HF weights)
         self.weight, self.bias = score.weight, score.bias
+        for param in (self.weight, self.bias):
+            param.sequence_parallel = split_positions  # type: ignore[attr-defined]
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:

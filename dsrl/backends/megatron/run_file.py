@@ -22,10 +22,11 @@ _KNOWN_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "
 
 
 def layout_of(engine: EngineConfig) -> MegatronLayout:
-    """The :class:`MegatronLayout` of ``dsrl.engine`` (context, expert and sequence parallelism were refused when
-    the run file was read)."""
+    """The :class:`MegatronLayout` of ``dsrl.engine`` (context and expert parallelism were refused when the run
+    file was read)."""
     return MegatronLayout(tensor_model_parallel_size=engine.tensor_model_parallel_size,
-                          pipeline_model_parallel_size=engine.pipeline_model_parallel_size)
+                          pipeline_model_parallel_size=engine.pipeline_model_parallel_size,
+                          sequence_parallel=engine.sequence_parallel)
 
 
 def optimizer_settings(ds_config: dict[str, Any]) -> OptimizerSettings:
