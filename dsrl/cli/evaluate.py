@@ -77,6 +77,7 @@ def evaluate(cfg_dsrl: DsrlConfig, model_dir: str, rollout: int | None,
     from dsrl.rl.policy.rollout_side import RolloutSide, RolloutSideSettings
     from dsrl.rl.rewards.functions import load_accuracy_fn, load_reward_fn
     from dsrl.rl.rewards.scoring import Scorer
+    from dsrl.runtime.context import RunContext
 
     d = cfg_dsrl.model_copy(update={"model": cfg_dsrl.model.model_copy(update={"path": model_dir, "lora": None})})
     rank, world, gpu = collectives.rank(), collectives.world(), on_gpu()
@@ -110,7 +111,7 @@ def evaluate(cfg_dsrl: DsrlConfig, model_dir: str, rollout: int | None,
         episodes = EpisodeRunner(backend, tok, environment, ObservationEncoder(tok, d.data.chat_template),
                                  d.rollout.max_turns, d.rollout.max_trajectory_tokens, view, device)
     evaluator = Evaluator(EvalSettings.of(d, rollouts=0), prompts, backend, scorer, side.tokenizer, view, device,
-                          per_call, episodes=episodes, rank=rank, samples_path=samples_path)
+                          per_call, context=RunContext(rank, world), episodes=episodes, samples_path=samples_path)
     try:
         record = evaluator.run(rollout)
     finally:

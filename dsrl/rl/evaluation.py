@@ -62,9 +62,8 @@ from dsrl.rl.episodes.driver import EpisodeRunner
 from dsrl.rl.rewards.scoring import Scorer
 from dsrl.rl.scored_generation import scored_groups
 from dsrl.rollout.base import RolloutBackend
+from dsrl.runtime.context import RunContext
 from dsrl.runtime.metrics import MetricsWriter
-from dsrl.runtime.stop import StopControl
-from dsrl.runtime.watchdog import NO_WATCH, PhaseWatch
 
 log = logging.getLogger("dsrl.rl.evaluation")
 
@@ -174,22 +173,23 @@ class Evaluator:
     training: nothing is ever due); ``backend``: the run's rollout backend (evaluations use its
     :meth:`~dsrl.rollout.base.RolloutBackend.with_sampling`); ``scorer``: the run's; ``tokenizer``: the run's;
     ``view``/``device``: the policy's parallel view and collective device; ``prompts_per_call``: prompts per generate
-    call; optional ``episodes`` (multi-turn: the run's runner, whose calls then use the evaluation backend),
-    ``stop`` (stop requests, decided before each call), ``watch`` (bounded phase ends), ``metrics`` (where rows go),
-    ``progress`` (shared with the run's state)."""
+    call; optional ``context`` (:class:`dsrl.runtime.context.RunContext`: the rank that writes, stop requests decided
+    before each call, the watch that bounds the phase), ``episodes`` (multi-turn: the run's runner, whose calls then
+    use the evaluation backend), ``metrics`` (where rows go), ``progress`` (shared with the run's state)."""
 
     def __init__(self, settings: EvalSettings, prompts: EvalPrompts | None, backend: RolloutBackend, scorer: Scorer,
                  tokenizer: Any, view: ParallelView, device: torch.device, prompts_per_call: int, *,
-                 episodes: EpisodeRunner | None = None, stop: StopControl | None = None,
-                 watch: PhaseWatch = NO_WATCH, metrics: MetricsWriter | None = None,
-                 progress: EvalProgress | None = None, rank: int = 0, samples_path: str | None = None):
+                 context: RunContext | None = None, episodes: EpisodeRunner | None = None,
+                 metrics: MetricsWriter | None = None, progress: EvalProgress | None = None,
+                 samples_path: str | None = None):
         self.settings, self.prompts, self.backend, self.scorer = settings, prompts, backend, scorer
         self.samples_path = samples_path if settings.eval.log_samples else None
         self.tokenizer, self.view, self.device = tokenizer, view, torch.device(device)
         self.prompts_per_call = max(1, int(prompts_per_call))
-        self.episodes, self.stop, self.watch, self.metrics = episodes, stop, watch, metrics
+        context = context or RunContext()
+        self.episodes, self.metrics = episodes, metrics
+        self.stop, self.watch, self.rank = context.stop, context.watch, context.rank
         self.progress = progress if progress is not None else EvalProgress()
-        self.rank = rank
         e = settings.eval
         self.schedule = EvalSchedule(e.every if prompts is not None else 0, settings.rollouts)
 

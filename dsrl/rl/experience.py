@@ -55,8 +55,7 @@ from dsrl.rl.rewards.scoring import Scorer
 from dsrl.rl.rollout_stats import RolloutStats
 from dsrl.rl.scored_generation import scored_groups
 from dsrl.rollout.base import RolloutBackend
-from dsrl.runtime.phases import PhaseClock
-from dsrl.runtime.watchdog import NO_WATCH, PhaseWatch
+from dsrl.runtime.context import RunContext
 
 
 @dataclass(frozen=True)
@@ -84,17 +83,18 @@ class ExperienceMaker:
     ``scorer`` (:class:`dsrl.rl.rewards.scoring.Scorer`: the reward formula), ``algo`` (the resolved algorithm),
     ``pad_id`` (the tokenizer's), and optionally ``critic`` (:class:`dsrl.rl.critic.Critic`, or
     :data:`dsrl.rl.critic.NO_CRITIC`), ``episodes`` (an :class:`dsrl.rl.episodes.driver.EpisodeRunner`: each sampling
-    round is then one of multi-turn trajectories), ``watch`` (bounded phase ends) and ``phases`` (the
-    :class:`dsrl.runtime.phases.PhaseClock` that times generation and rewards)."""
+    round is then one of multi-turn trajectories) and ``context`` (:class:`dsrl.runtime.context.RunContext`: its
+    watch bounds the generation and reward phases, its clock times them)."""
 
     def __init__(self, settings: ExperienceSettings, plan: BatchPlan, actor: PolicyActor, backend: RolloutBackend,
                  prompts: PromptSource, scorer: Scorer, algo: algos.ResolvedAlgorithm, pad_id: int, *,
                  critic: Critic | NoCritic = NO_CRITIC, episodes: EpisodeRunner | None = None,
-                 watch: PhaseWatch = NO_WATCH, phases: PhaseClock | None = None):
+                 context: RunContext | None = None):
         self.d, self.plan, self.actor, self.backend = settings, plan, actor, backend
         self.prompts, self.scorer, self.algo, self.pad_id = prompts, scorer, algo, pad_id
-        self.critic, self.episodes, self.watch = critic, episodes, watch
-        self.phases = phases or PhaseClock()
+        self.critic, self.episodes = critic, episodes
+        context = context or RunContext()
+        self.watch, self.phases = context.watch, context.phases
         self.view = actor.view
         self.replica = self.view.data_parallel_rank  # which slice of each rollout's prompts this rank gets
         self.version = 0  # the policy version of the weights generating now (colocated: the rollout index)

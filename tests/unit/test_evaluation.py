@@ -26,6 +26,7 @@ from dsrl.rl.policy.tokenizer import load_tokenizer
 from dsrl.rl.rewards.functions import load_accuracy_fn, load_reward_fn
 from dsrl.rl.rewards.scoring import Scorer
 from dsrl.rollout.base import Completion, RolloutBackend
+from dsrl.runtime.context import RunContext
 
 RUN = "configs/tiny_grpo_cpu.json"
 
@@ -245,7 +246,8 @@ def evaluator(tok, backend, d=None, stop=None, per_call=16, metrics=None, sample
     prompts = load_eval_prompts(d.eval, d.data, d.run.seed)
     scorer = Scorer(d.data, tok, load_reward_fn(d.data), load_accuracy_fn(d.data))
     return Evaluator(EvalSettings.of(d, rollouts=6), prompts, backend, scorer, tok, ParallelView(None, 1.0, 1, 0),
-                     torch.device("cpu"), per_call, stop=stop, metrics=metrics, progress=EvalProgress(),
+                     torch.device("cpu"), per_call, context=RunContext(stop=stop), metrics=metrics,
+                     progress=EvalProgress(),
                      samples_path=samples_path)
 
 

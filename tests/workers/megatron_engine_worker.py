@@ -304,17 +304,17 @@ def run_actor(tp: int, pp: int) -> dict:
             "clipped": float(res["clip_low_frac"]) + float(res["clip_high_frac"])}
 
 
-def run_real(hf_dir: str, tp: int, pp: int) -> dict:
+def run_real(hf_dir: str, tp: int, pp: int, sequence_parallel: bool = False) -> dict:
     """A pretrained model (the real-model tier's SmolLM2-135M-Instruct: 30 layers, a tied head) on the engine: its
     log-probs against transformers', and one exact step against the float64 reference gradient (rank 0 computes it)."""
-
-
-    initialize_parallel(MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+    layout = MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            sequence_parallel=sequence_parallel)
+    initialize_parallel(layout, seed=0)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()  # under the CPU shim
     _, plan = plan_of(loss_agg="token-mean")
-    engine = build_engine(hf.config, hf_state(hf), plan, MegatronLayout(tp, pp),
+    engine = build_engine(hf.config, hf_state(hf), plan, layout,
                           OptimizerSettings(lr=LR, optimizer="sgd", use_distributed_optimizer=False))
     seqs = make_sequences(N_SEQS, seed=3)
     mine = [micro(seqs[0:3]), micro(seqs[3:8])]
@@ -335,7 +335,8 @@ def run_real(hf_dir: str, tp: int, pp: int) -> dict:
 
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, logprob_error)
-    return {"case": "real", "tp": tp, "pp": pp, "layers": hf.config.num_hidden_layers,
+    return {"case": "real", "tp": tp, "pp": pp, "sequence_parallel": sequence_parallel,
+            "layers": hf.config.num_hidden_layers,
             "logprob_error": max(errors), "grad_error": grad_error}
 
 
@@ -347,6 +348,8 @@ def main() -> None:
                     help="step: the forwards and the exact step; around: DP replicas, weight sync, actor, resume; "
                          "real: a pretrained model from --hf_dir at PP = 2")
     ap.add_argument("--hf_dir", help="a Hugging Face model directory (--suite real)")
+    ap.add_argument("--tp_sp", type=int, default=0, help="--suite real: at this TP with sequence parallelism "
+                    "instead of PP = 2 (as many ranks)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -361,7 +364,7 @@ def main() -> None:
     for kind, tp, pp, mode in cases:
         rows.append(run_case(kind, tp, pp, mode, args.plant))
     if args.suite == "real":
-        rows.append(run_real(args.hf_dir, 1, 2))
+        rows.append(run_real(args.hf_dir, args.tp_sp, 1, True) if args.tp_sp else run_real(args.hf_dir, 1, 2))
     if args.suite == "around" and not args.plant:
         rows.append(run_distributed_adam())
         rows.extend(run_weight_sync(tp, pp) for tp, pp in ((2, 1), (1, 2)))

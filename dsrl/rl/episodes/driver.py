@@ -34,6 +34,7 @@ The run builds one runner with explicit collaborators; the experience maker
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,8 +52,8 @@ from dsrl.rl.episodes.environment import EnvironmentCaller, ObservationEncoder, 
 from dsrl.rl.episodes.trajectory import DONE, MAX_TOKENS, MAX_TURNS, OBSERVATION_OVERFLOW, TIMEOUT, Trajectory
 from dsrl.rl.rewards.contract import _short
 from dsrl.rollout.base import Completion, RolloutBackend
+from dsrl.runtime.context import RunContext
 from dsrl.runtime.phases import PhaseClock
-from dsrl.runtime.watchdog import NO_WATCH, PhaseWatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -86,16 +87,17 @@ class _TurnResult:
 
 class EpisodeRunner:
     """Generates one round of trajectories (module docstring). ``view``/``device``: the policy's parallel view and
-    collective device; ``watch``: the job's :class:`dsrl.runtime.watchdog.Watch` (or None); ``phases``: the
-    :class:`dsrl.runtime.phases.PhaseClock` that times the model's turns as the ``generate`` phase (or None)."""
+    collective device; ``context``: the run's :class:`dsrl.runtime.context.RunContext` (its watch bounds the
+    environment's phases, its clock times the model's turns as the ``generate`` phase)."""
 
     def __init__(self, backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase, env: EnvironmentCaller,
                  encoder: ObservationEncoder, max_turns: int, max_tokens: int, view: ParallelView | None = None,
-                 device: torch.device | str = "cpu", watch: PhaseWatch = NO_WATCH, phases: PhaseClock | None = None):
+                 device: torch.device | str = "cpu", context: RunContext | None = None):
         self.backend, self.tokenizer, self.env, self.encoder = backend, tokenizer, env, encoder
         self.max_turns, self.max_tokens = max_turns, max_tokens
-        self.view, self.device, self.watch = view, device, watch
-        self.phases = phases or PhaseClock()
+        self.view, self.device = view, device
+        self.context = context or RunContext()
+        self.watch, self.phases = self.context.watch, self.context.phases
         self._episodes: dict[int, Any] = {}
         self._overflow_told = False
 
@@ -103,7 +105,7 @@ class EpisodeRunner:
         """The same runner (environment, encoder, bounds, layout, watch) generating with ``backend`` (an evaluation's),
         timing its turns on a phase clock of its own (the rollouts' phase times stay the rollouts')."""
         return EpisodeRunner(backend, self.tokenizer, self.env, self.encoder, self.max_turns, self.max_tokens,
-                             self.view, self.device, self.watch)
+                             self.view, self.device, dataclasses.replace(self.context, phases=PhaseClock()))
 
     def run(self, records: list[dict], prompt_ids: list[list[int]], samples_per_prompt: int, seed: int,
             labels: list[int] | None = None) -> list[Trajectory]:

@@ -37,9 +37,7 @@ from dsrl.rl.critic import Critic, NoCritic
 from dsrl.rl.disagg.remote import GenerationStopped
 from dsrl.rl.policy.actor import PolicyActor
 from dsrl.rl.run.state import RunState, Snapshot
-from dsrl.runtime.peers import Peers
-from dsrl.runtime.stop import StopControl
-from dsrl.runtime.watchdog import PhaseWatch
+from dsrl.runtime.context import RunContext
 
 CHECKPOINT_SUBDIR = "checkpoints"
 log = logging.getLogger("dsrl.rl.trainer")
@@ -49,16 +47,18 @@ class Checkpointer:
     """Saves and resumes the run's checkpoints under ``run.output_dir``/checkpoints (module docstring)."""
 
     def __init__(self, actor: PolicyActor, critic: Critic | NoCritic, state: RunState, run_dir: RunDir,
-                 run: RunConfig, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, watch: PhaseWatch,
-                 stop: StopControl, memory: StateOffload, peers: Peers, rank: int, world: int,
-                 live_export: Callable[[str], None] | None = None):
-        """``live_export(out)``: how the final model is written when no offline export of its checkpoint exists
-        (the Megatron engine: its live weights through the rollout model, :func:`dsrl.rl.run.engines.
-        final_model_writer`); collective. None: :func:`dsrl.checkpoint.export.export_checkpoint` on rank 0."""
+                 run: RunConfig, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, context: RunContext,
+                 memory: StateOffload, live_export: Callable[[str], None] | None = None):
+        """``context``: the run's (its stop control, watch and peers required: a checkpoint is bounded, a stop
+        commits one, and gone generator ranks are named). ``live_export(out)``: how the final model is written when
+        no offline export of its checkpoint exists (the Megatron engine: its live weights through the rollout model,
+        :func:`dsrl.rl.run.engines.final_model_writer`); collective. None:
+        :func:`dsrl.checkpoint.export.export_checkpoint` on rank 0."""
         self.actor, self.critic, self.state, self.run_dir, self.memory = actor, critic, state, run_dir, memory
         self.live_export = live_export
         self.run, self.model, self.tokenizer = run, model, tokenizer
-        self.watch, self.stop, self.peers, self.rank, self.world = watch, stop, peers, rank, world
+        self.watch, self.rank, self.world = context.watch, context.rank, context.world
+        self.stop, self.peers = context.required_stop(), context.required_peers()
         self.ckpt_dir = os.path.join(run.output_dir, CHECKPOINT_SUBDIR)
         self.notice: str | None = None  # set by an elastic resume (another world size)
 

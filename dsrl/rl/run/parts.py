@@ -10,7 +10,9 @@ The order is the contract:
    included), so a configuration error is printed once, by rank 0, together with every other rank's, before
    anything is touched on disk or built collectively;
 3. the output directory (lock, refusals, the verified checkpoint to continue from) and its free space;
-4. the components, each from its own sections and the plan, handed their collaborators through constructors:
+4. the run's context (:class:`dsrl.runtime.context.RunContext`: rank, world, stop control, the watch of phase ends,
+   the phase clock, the peers), which every long-lived part shares;
+5. the components, each from its own sections and the plan, handed their collaborators through constructors:
    the policy actor (engine, KL reference, MoE routing, loss), the reward model, the critic (the training engines
    and frozen models registered with the memory offload, ``dsrl.memory``), the rollout backend
    (or the generators' remote one), the scorer, the multi-turn runner, the experience maker, the run state and
@@ -70,11 +72,12 @@ from dsrl.rl.run.engines import (
 from dsrl.rl.run.state import RunState
 from dsrl.rl.run.stopping import StopPolicy
 from dsrl.rollout.base import RolloutBackend
+from dsrl.runtime.context import RunContext
 from dsrl.runtime.metrics import MetricsWriter
 from dsrl.runtime.peers import Peers
 from dsrl.runtime.phases import PhaseClock, resident_mib
 from dsrl.runtime.stop import StopControl
-from dsrl.runtime.watchdog import Watch
+from dsrl.runtime.watchdog import PhaseWatch, Watch
 
 log = logging.getLogger("dsrl.rl.trainer")
 
@@ -85,10 +88,7 @@ class RunParts:
 
     cfg: Config
     role: Role | None  # this rank's role in a disaggregated job (None: colocated)
-    rank: int
-    world: int
-    stop: StopControl
-    peers: Peers
+    context: RunContext  # rank, world, stop control, watch, phase clock and peers, shared by the parts
     run_dir: RunDir
     plan: BatchPlan
     tokenizer: PreTrainedTokenizerBase
@@ -97,8 +97,6 @@ class RunParts:
     critic: Critic | NoCritic
     backend: RolloutBackend
     experience: ExperienceMaker
-    watch: Watch
-    phases: PhaseClock
     memory: StateOffload
     state: RunState
     checkpointer: Checkpointer
@@ -106,6 +104,30 @@ class RunParts:
     metrics: MetricsWriter
     resumed: bool
     evaluator: Evaluator
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world(self) -> int:
+        return self.context.world
+
+    @property
+    def stop(self) -> StopControl:
+        return self.context.required_stop()
+
+    @property
+    def peers(self) -> Peers:
+        return self.context.required_peers()
+
+    @property
+    def watch(self) -> PhaseWatch:
+        return self.context.watch
+
+    @property
+    def phases(self) -> PhaseClock:
+        return self.context.phases
 
     def close(self) -> None:
         """Releases what the run holds, in this order: its metrics files, the rollout backend, the signal handlers
@@ -203,8 +225,11 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
     run_dir.check_adapters(d.model.lora)  # the checkpoint's adapters are this run's (before the engine)
     check_free_space(run_dir, side.model, d.run)
 
-    # seconds, tokens and peak memory per phase (dsrl.runtime.phases)
+    # seconds, tokens and peak memory per phase (dsrl.runtime.phases); phase ends bounded, missing ranks named, waits
+    # reported (dsrl.runtime.watchdog): with the rank, the stop control and the peers, the context every part shares
     phases = PhaseClock(get_accelerator(), checked.baseline_mib)
+    watch = Watch(d.run.collective_timeout_s, d.run.wait_report_s, peers=peers)
+    context = RunContext(rank, world, stop, watch, phases, peers)
     memory = StateOffload(d.memory)  # training state and frozen models off the device between their phases
     algo = algos.resolve_algorithm(d.algorithm)
     actor = PolicyActor.build(side.model, engine_builder(checked.spec), d.model, ActorSettings.of(d), algo,
@@ -227,8 +252,6 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
         backend = RemoteRolloutBackend(role, actor.engine, d.rollout, d.run, d.memory, plan, prompts, stop)
     else:
         backend = rollout_backend(checked.spec, side, actor.engine, plan.prompts_per_rank)
-    # phase ends bounded, missing ranks named, waits reported (dsrl.runtime.watchdog)
-    watch = Watch(d.run.collective_timeout_s, d.run.wait_report_s, peers=peers)
     episodes = None
     if checked.environment is not None:  # multi-turn rollouts (dsrl.rl.episodes.driver)
         from dsrl.rl.episodes.driver import EpisodeRunner
@@ -236,15 +259,14 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
 
         episodes = EpisodeRunner(backend, tok, checked.environment, ObservationEncoder(tok, d.data.chat_template),
                                  d.rollout.max_turns, d.rollout.max_trajectory_tokens, actor.view, actor.device,
-                                 watch, phases)
+                                 context)
     from dsrl.rl.rewards.functions import load_accuracy_fn
 
     scorer = Scorer(d.data, tok, checked.reward_fn, load_accuracy_fn(d.data), reward_model)
     experience = ExperienceMaker(ExperienceSettings.of(d), plan, actor, backend, prompts, scorer, algo,
-                                 tok.pad_token_id, critic=critic, episodes=episodes, watch=watch, phases=phases)
+                                 tok.pad_token_id, critic=critic, episodes=episodes, context=context)
     state = RunState(prompts.sampler, EmptyRollouts(d.run.max_empty_rollouts))
-    checkpointer = Checkpointer(actor, critic, state, run_dir, d.run, d.model, tok, watch=watch, stop=stop,
-                                memory=memory, peers=peers, rank=rank, world=world,
+    checkpointer = Checkpointer(actor, critic, state, run_dir, d.run, d.model, tok, context=context, memory=memory,
                                 live_export=final_model_writer(checked.spec, side, actor.engine, tok))
     resumed = checkpointer.resume()
     metrics = MetricsWriter(d.run.output_dir, rank, actor.engine.monitor,
@@ -253,9 +275,8 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
     # training call (continuous batching's bounds), its progress in the run's state (dsrl.rl.evaluation).
     per_call = prompts_per_call(plan.prompts_per_rank, plan.samples_per_prompt, d.eval.samples_per_prompt)
     evaluator = Evaluator(EvalSettings.of(d, plan.rollouts), checked.eval_prompts, backend, scorer, tok, actor.view,
-                          actor.device, per_call, episodes=episodes, stop=stop, watch=watch, metrics=metrics,
-                          progress=state.evaluation, rank=rank,
-                          samples_path=os.path.join(d.run.output_dir, "eval_samples.jsonl"))
+                          actor.device, per_call, context=context, episodes=episodes, metrics=metrics,
+                          progress=state.evaluation, samples_path=os.path.join(d.run.output_dir, "eval_samples.jsonl"))
     if rank == 0 and len(prompts):  # what the model sees (the chat template's own system prompt), what ends a turn
         from dsrl.rollout.base import stop_token_ids
 
@@ -268,9 +289,8 @@ def build_run(config: str | dict[str, Any] | Config, overrides: dict[str, Any] |
             log.warning("dsrl.eval: the evaluation prompts are not held out: %s; they are the task's whole prompt "
                         "space (set dsrl.data.size lower to hold some out, or dsrl.eval.path to prompts of your own)",
                         checked.eval_prompts.overlap)
-    return RunParts(cfg, role, rank, world, stop, peers, run_dir, plan, tok, prompts, actor, critic, backend,
-                    experience, watch, phases, memory, state, checkpointer, StopPolicy.of(d.run, plan.rollouts),
-                    metrics, resumed, evaluator)
+    return RunParts(cfg, role, context, run_dir, plan, tok, prompts, actor, critic, backend, experience, memory,
+                    state, checkpointer, StopPolicy.of(d.run, plan.rollouts), metrics, resumed, evaluator)
 
 
 def match_deepspeed_precision(ds_config: dict[str, Any], dtype: torch.dtype) -> None:
