@@ -73,6 +73,9 @@ def test_megatron_dp_tp_pp_cp_exact_and_guards(tmp_path):
     # dsrl.backends.megatron.fused_output_layer): exact against a plain float64 log-softmax of the full logits;
     # the planted bug (each rank's vocabulary slice taken for the whole vocabulary: no all-reduce) is wrong.
     _check_exact(cases, "tp2/fused", 8)
+    # ... and under megatron-core's sequence parallelism (the positions split over the tensor group: dsrl's
+    # sequence_parallel_spec norms, the fused layer gathering its input along the sequence)
+    _check_exact(cases, "tp2_sp/fused", 8)
     (unsharded,) = [c for c in cases if c["expect"] == "wrong:unsharded"]
     assert unsharded["error"] > 0.1, unsharded
 

@@ -209,3 +209,17 @@ def test_dsrl_check_on_megatron_names_its_model_and_its_entry_without_cuda(monke
     monkeypatch.delitem(sys.modules, "megatron_cpu_shim", raising=False)
     with pytest.raises(SystemExit, match=r"needs megatron-core's CPU shim. Fix: run `deepspeed launch/check.py"):
         require_shim_without_cuda()
+
+
+def test_the_documented_sequence_parallel_spec_runs_as_written():
+    """docs/megatron.md's snippet of sequence_parallel_spec, executed as written: a block spec whose norms (and final
+    norm) are dsrl's, for a user's own GPTModel without Transformer Engine."""
+    pytest.importorskip("megatron.core")
+    import re
+
+    doc = (REPO / "docs" / "megatron.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "sequence_parallel_spec(" in b]
+    scope: dict = {}
+    exec(block, scope)  # noqa: S102 - the documentation's own code
+    spec = scope["spec"]
+    assert len(spec.layer_specs) == 2 and spec.layer_norm.__name__ == "SequenceParallelNorm"

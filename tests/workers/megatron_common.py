@@ -32,15 +32,19 @@ def transformer_config(per_token: bool, pp: int = 1, **extra: Any) -> Any:
 
 
 def gpt_model(config: Any, pre_process: bool = True, post_process: bool = True) -> Any:
+    """The local spec; with ``config.sequence_parallel`` its norms made to take it (dsrl's sequence_parallel_spec)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+    from dsrl.backends.megatron import sequence_parallel_spec
+
+    spec = sequence_parallel_spec(get_gpt_layer_local_spec(), config)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=MAX_POS, pre_process=pre_process, post_process=post_process)
 
 
 def build_parallel(per_token: bool, seed: int = 0, ddp_kwargs: dict | None = None,
-                   flip_flag_after_ddp: bool | None = None) -> tuple[Any, Any, Any]:
+                   flip_flag_after_ddp: bool | None = None, sequence_parallel: bool = False) -> tuple[Any, Any, Any]:
     """(DDP model, megatron optimizer, scheduler) for the current parallel state."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -51,7 +55,9 @@ def build_parallel(per_token: bool, seed: int = 0, ddp_kwargs: dict | None = Non
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    cfg = transformer_config(per_token, ps.get_pipeline_model_parallel_world_size())
+    split = {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+             "sequence_parallel": True} if sequence_parallel else {}
+    cfg = transformer_config(per_token, ps.get_pipeline_model_parallel_world_size(), **split)
     model = gpt_model(cfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(**(ddp_kwargs or {})), model)
     if flip_flag_after_ddp is not None:

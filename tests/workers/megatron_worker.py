@@ -79,19 +79,20 @@ def run_equivalence(rec: Recorder, layout: str, counts: list[int], seed: int) ->
 
 def run_fused(rec: Recorder, layout: str, counts: list[int], seed: int, *, vocab_parallel: bool = True,
               conventions: tuple[str, ...] = CONVENTIONS, modes: tuple[str, ...] = LOSS_AGG_MODES,
-              expect: str = "exact") -> None:
+              expect: str = "exact", sequence_parallel: bool = False) -> None:
     """The PPO loss with an entropy bonus on log-probs from the vocabulary-parallel output layer fused into dsrl's
     tiled log-softmax (mc.gpt_fused_forward); the reference: the model's full logits, a plain float64 log-softmax.
     ``vocab_parallel=False`` is the planted bug (each rank's slice taken for the whole vocabulary)."""
     import functools
 
     forward = functools.partial(mc.gpt_fused_forward, vocab_parallel=vocab_parallel)
-    _train_every_mode(rec, layout, counts, seed, forward, mc.fused_ppo_loss, conventions, modes, expect=expect,
-                      fused=True)
+    _train_every_mode(rec, layout, counts, seed, forward, mc.fused_ppo_loss, conventions, modes,
+                      sequence_parallel=sequence_parallel, expect=expect, fused=True)
 
 
 def _train_every_mode(rec: Recorder, layout: str, counts: list[int], seed: int, forward, loss,
-                      conventions: tuple[str, ...], modes: tuple[str, ...], **add_options) -> dict[str, Any]:
+                      conventions: tuple[str, ...], modes: tuple[str, ...], sequence_parallel: bool = False,
+                      **add_options) -> dict[str, Any]:
     """For each convention a fresh model and MegatronRLStep, one step per loss mode on this replica's
     micro-batches (counts[r] on replica r), each recorded against the whole mini-batch; returns each convention's
     step."""
@@ -103,7 +104,7 @@ def _train_every_mode(rec: Recorder, layout: str, counts: list[int], seed: int, 
     bsz = sum(mb["loss_mask"].shape[0] for mb in all_micros)
     steps = {}
     for conv in conventions:
-        ddp, opt, sched = mc.build_parallel(conv == "per_token")
+        ddp, opt, sched = mc.build_parallel(conv == "per_token", sequence_parallel=sequence_parallel)
         step = MegatronRLStep(ddp, opt, sched, convention=conv, mini_batch_size=bsz,
                               loss_agg_norm_length=mc.NORM_LENGTH)
         for mode in modes:
@@ -265,6 +266,8 @@ def main() -> None:
         run_fused(rec, "tp2/fused", [3], seed=6)
         run_fused(rec, "tp2/fused", [3], seed=6, vocab_parallel=False, conventions=("per_token",),
                   modes=("token-mean",), expect="wrong:unsharded")
+        # megatron-core's sequence parallelism (dsrl's norms of the local spec, the fused layer gathering its input)
+        run_fused(rec, "tp2_sp/fused", [3], seed=7, sequence_parallel=True)
         timings["tp2"] = time.time() - t0
         _init_layout(pp=2)
         run_equivalence(rec, "pp2", [3], seed=3)

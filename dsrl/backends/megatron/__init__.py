@@ -13,7 +13,9 @@ only torch. Public names:
 - :func:`megatron_view` -- the :class:`dsrl.core.parallel.ParallelView` of a Megatron layout: the
   token-owning group and the DDP's real gradient factor, validated;
 - :func:`fused_output_layer` -- per-token log-probs (and entropy) of a ``GPTModel`` from its vocabulary-parallel
-  output layer fused into dsrl's tiled log-softmax, without logits;
+  output layer fused into dsrl's tiled log-softmax, without logits (under sequence parallelism too);
+- :func:`sequence_parallel_spec` -- megatron-core's local layer spec with norms that take sequence parallelism
+  (their gradients summed over the tensor group), for a ``GPTModel`` without Transformer Engine;
 - :mod:`.hf_weights` -- a ``GPTModel`` shaped like a Hugging Face Llama / Qwen2 / Qwen3, its weights loaded from the
   HF ``state_dict`` per tensor-parallel shard and pipeline stage, and gathered back under HF names;
 - :mod:`.engine` -- :class:`~dsrl.backends.megatron.engine.MegatronEngine`, megatron-core as dsrl's
@@ -30,6 +32,7 @@ from dsrl.backends.megatron.cp import cp_chunk_index, shard_for_context_parallel
 from dsrl.backends.megatron.deps import require_megatron
 from dsrl.backends.megatron.logprobs import fused_output_layer
 from dsrl.backends.megatron.schedule import OPTIMIZER_STEPS, SAMPLES, SchedulerDriver, build_param_scheduler
+from dsrl.backends.megatron.sequence_parallel import sequence_parallel_spec
 from dsrl.backends.megatron.step import AVERAGE, CONVENTIONS, PER_TOKEN, FinalizeOnce, MegatronRLStep
 from dsrl.backends.megatron.view import ddp_grad_factor, megatron_view, validate_count_group
 
@@ -48,6 +51,7 @@ __all__ = [
     "fused_output_layer",
     "megatron_view",
     "require_megatron",
+    "sequence_parallel_spec",
     "shard_for_context_parallel",
     "unshard_from_context_parallel",
     "validate_count_group",

@@ -12,8 +12,9 @@ embedding or not) is whatever the model passes the layer. The padded vocabulary'
 softmax, as in Megatron's own vocabulary-parallel cross entropy.
 
 Invariants: the layer runs exactly once per forward on hidden states ``[s, b, H]`` that match ``targets``
-``[b, s]``; sequence parallelism (hidden states split along the sequence) is refused; pipeline stages without the
-output layer run unchanged. No other thread runs the model during the block.
+``[b, s]``; under sequence parallelism (hidden states ``[s / tp, b, H]``, split along the sequence) they are first
+gathered over the tensor group, as the layer's own forward gathers them, and the gradient is split back; pipeline
+stages without the output layer run unchanged. No other thread runs the model during the block.
 """
 
 from __future__ import annotations
@@ -42,10 +43,6 @@ def fused_output_layer(model: Any, targets: torch.Tensor, *, temperature: float 
     if layer is None:  # an earlier pipeline stage: nothing to replace
         yield
         return
-    if layer.sequence_parallel:
-        raise ValueError("fused_output_layer with sequence_parallel=True: the hidden states reach the output layer "
-                         "split along the sequence. Fix: turn sequence parallelism off for the log-prob passes, or "
-                         "compute log-probs from the model's logits.")
     size = layer.output_size_per_partition
     group = layer.tp_group
     shard = VocabShard(group if vocab_parallel else None, group.rank() * size, size) if group.size() > 1 else None
@@ -67,6 +64,11 @@ def _stats_forward(layer: Any, hidden: torch.Tensor, weight: torch.Tensor | None
         raise RuntimeError("the output layer ran twice in one forward inside fused_output_layer (e.g. multi-token "
                            "prediction); dsrl's fused log-probs need exactly one call")
     calls.append(1)
+    if layer.sequence_parallel:  # [s / tp, b, H]: gathered along the sequence, as the layer's own forward does;
+        # its gradient split back, not summed: the vocabulary shard's already sums it over the group
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=layer.tp_group)
     s, b = hidden.shape[:2]
     if targets.shape != (b, s):
         raise RuntimeError(f"fused_output_layer got targets {tuple(targets.shape)} for hidden states "

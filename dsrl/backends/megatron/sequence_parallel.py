@@ -9,9 +9,10 @@ the tensor group (for parameters marked ``sequence_parallel``).
 What dsrl adds, and the invariants it keeps (tested against the float64 reference, tests/distributed/
 test_megatron_check.py, and against the same run without it, tests/distributed/test_megatron_train.py):
 
-- :class:`SequenceParallelRMSNorm`: megatron-core's local spec builds ``torch.nn.RMSNorm`` and refuses sequence
-  parallelism there (only Transformer Engine's and Apex's norms take it); this is the same norm, with its weight
-  marked so that its gradient is summed over the tensor group. :func:`layer_spec` puts it in the local spec.
+- :class:`SequenceParallelNorm`: megatron-core's local spec builds torch's ``RMSNorm`` / ``LayerNorm`` and refuses
+  sequence parallelism there (only Transformer Engine's and Apex's norms take it); this is the same norm, with its
+  parameters marked so that their gradients are summed over the tensor group. :func:`sequence_parallel_spec` puts
+  it in a local spec (the engine's, :func:`layer_spec`, or a user's own GPTModel in a loop of their own).
 - :func:`padded_length`: the split needs a length divisible by the tensor-parallel size, so a row is padded on the
   right (causal attention: the real positions never see the padding) and its outputs cut back.
 - :func:`gather_positions`: the model's output (final hidden states, or a value model's values) is gathered along
@@ -28,31 +29,50 @@ from typing import Any
 import torch
 
 
-class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` (megatron-core's local norm, bit for bit) built from megatron-core's norm arguments, its
-    weight marked ``sequence_parallel`` when the model is: its gradient is then summed over the tensor group by
+class SequenceParallelNorm:
+    """megatron-core's local norm (``WrappedTorchNorm``: torch's ``LayerNorm`` or ``RMSNorm`` by
+    ``config.normalization``, bit for bit) built from megatron-core's norm arguments, its parameters marked
+    ``sequence_parallel`` when the model is: their gradients are then summed over the tensor group by
     ``finalize_model_grads``."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any):
-        super().__init__(normalized_shape=hidden_size, eps=eps)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"sequence parallelism with normalization = {config.normalization!r}: dsrl's local "
+                             f"norm builds {' and '.join(kinds)}")
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
 
 
-def layer_spec(config: Any, pp_rank: int | None = None) -> Any:
-    """The local layer spec of the HF decoder's layers (RMSNorm, q/k norms when ``config.qk_layernorm``): with
-    ``config.sequence_parallel`` it is a block spec of this pipeline stage's layers whose norms (and final norm) are
-    :class:`SequenceParallelRMSNorm`; without, megatron-core's local layer spec unchanged."""
+def layer_spec(config: Any) -> Any:
+    """The local layer spec of the HF decoder's layers (RMSNorm, q/k norms when ``config.qk_layernorm``), through
+    :func:`sequence_parallel_spec`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    return sequence_parallel_spec(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                                           normalization="RMSNorm"), config)
+
+
+def sequence_parallel_spec(spec: Any, config: Any, pp_rank: int | None = None) -> Any:
+    """``spec`` (a layer spec of megatron-core's local modules, e.g. ``get_gpt_layer_local_spec()``) for a model of
+    ``config``: with ``config.sequence_parallel``, a block spec of this pipeline stage's layers (``pp_rank``; None:
+    the current one) whose norms and final norm are :class:`SequenceParallelNorm` (megatron-core's local norm refuses
+    sequence parallelism); without, ``spec`` unchanged. Pass it to ``GPTModel(transformer_layer_spec=...)``."""
     if not config.sequence_parallel:
         return spec
+    import copy
+
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    _replace(spec, WrappedTorchNorm, SequenceParallelRMSNorm)
+    spec = copy.deepcopy(spec)
+    _replace(spec, WrappedTorchNorm, SequenceParallelNorm)
+    if pp_rank is None and config.pipeline_model_parallel_size == 1:
+        pp_rank = 0  # one stage: no parallel state needed to know which
     layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelRMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
 
 
 def _replace(spec: Any, old: type, new: type) -> None:
@@ -112,5 +132,5 @@ def embedding_slice(mask: torch.Tensor, out: torch.Tensor, embedding: Any) -> to
     return mask.t()[start:start + rows].contiguous().unsqueeze(-1)
 
 
-__all__ = ["SequenceParallelRMSNorm", "embedding_slice", "gather_positions", "layer_spec", "pad_rows",
-           "padded_length"]
+__all__ = ["SequenceParallelNorm", "embedding_slice", "gather_positions", "layer_spec", "pad_rows", "padded_length",
+           "sequence_parallel_spec"]
