@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dsrl.backends.megatron.sequence_parallel import gather_sequence
 from dsrl.core.logprobs import VocabShard, head_stats
 
 
@@ -66,9 +67,7 @@ def _stats_forward(layer: Any, hidden: torch.Tensor, weight: torch.Tensor | None
     calls.append(1)
     if layer.sequence_parallel:  # [s / tp, b, H]: gathered along the sequence, as the layer's own forward does;
         # its gradient split back, not summed: the vocabulary shard's already sums it over the group
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=layer.tp_group)
+        hidden = gather_sequence(hidden, layer.tp_group)
     s, b = hidden.shape[:2]
     if targets.shape != (b, s):
         raise RuntimeError(f"fused_output_layer got targets {tuple(targets.shape)} for hidden states "

@@ -109,15 +109,19 @@ def pad_rows(input_ids: torch.Tensor, position_ids: torch.Tensor, tp: int,
     return ids, torch.cat([position_ids, more], dim=1)
 
 
-def gather_positions(out: torch.Tensor, group: Any, length: int) -> torch.Tensor:
-    """``out`` ``[b, s / tp, ...]`` (this rank's slice of the positions, as ``GPTModel`` returns it) gathered over
-    the tensor group to ``[b, length, ...]`` (the padding cut off); its gradient is split back, not summed (module
-    docstring)."""
+def gather_sequence(part: torch.Tensor, group: Any) -> torch.Tensor:
+    """``part`` ``[s / tp, ...]`` (this rank's slice of the positions, sequence first) gathered over the tensor group
+    to ``[s, ...]``; its gradient is split back, not summed (module docstring): what the head sees of every position
+    on every rank, whether dsrl's face or the fused output layer of a user's loop runs it."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    whole = gather_from_sequence_parallel_region(out.transpose(0, 1).contiguous(), tensor_parallel_output_grad=False,
-                                                 group=group)
-    return whole.transpose(0, 1)[:, :length]
+    return gather_from_sequence_parallel_region(part, tensor_parallel_output_grad=False, group=group)
+
+
+def gather_positions(out: torch.Tensor, group: Any, length: int) -> torch.Tensor:
+    """``out`` ``[b, s / tp, ...]`` (this rank's slice of the positions, as ``GPTModel`` returns it) gathered over
+    the tensor group to ``[b, length, ...]`` (the padding cut off) by :func:`gather_sequence`."""
+    return gather_sequence(out.transpose(0, 1).contiguous(), group).transpose(0, 1)[:, :length]
 
 
 def embedding_slice(mask: torch.Tensor, out: torch.Tensor, embedding: Any) -> torch.Tensor:
@@ -132,5 +136,5 @@ def embedding_slice(mask: torch.Tensor, out: torch.Tensor, embedding: Any) -> to
     return mask.t()[start:start + rows].contiguous().unsqueeze(-1)
 
 
-__all__ = ["SequenceParallelNorm", "embedding_slice", "gather_positions", "layer_spec", "pad_rows", "padded_length",
-           "sequence_parallel_spec"]
+__all__ = ["SequenceParallelNorm", "embedding_slice", "gather_positions", "gather_sequence", "layer_spec", "pad_rows",
+           "padded_length", "sequence_parallel_spec"]
