@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,10 +118,16 @@ class Peers:
                         found[r] = state
         return found
 
-    def obituary(self) -> str | None:
+    def obituary(self, wait_s: float = 0.0) -> str | None:
         """'generator 0 (rank 2 on host a) has ended (its process is gone)' for every rank :meth:`ended` finds,
-        or None."""
+        or None. ``wait_s``: look again for up to this long while none is found. A killed peer's sockets close
+        while the kernel is still tearing its process down, before it shows as a zombie; an error caused by the
+        closed connection can arrive in that window, so the error path waits for the exit to become visible."""
+        deadline = time.monotonic() + wait_s
         found = self.ended()
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.05)
+            found = self.ended()
         if not found:
             return None
         return "; ".join(f"{self.describe(r)} {state}" for r, state in sorted(found.items()))

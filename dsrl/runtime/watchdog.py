@@ -39,6 +39,8 @@ from dsrl.core.errors import CollectiveTimeout, RunError
 from dsrl.core.timeouts import looks_like_timeout
 from dsrl.runtime.peers import Peers
 
+ENDED_VISIBLE_S = 3.0
+"""How long an error path looks for a peer's ended process before it names none (:meth:`Peers.obituary`)."""
 PHASES = ("start", "generation", "environment", "reward", "step", "save", "export")
 
 
@@ -232,7 +234,7 @@ class Watch:
         """'trainer 1 (rank 1 on host a) has ended (its process is gone); ' for the ranks of this host that ended, or
         nothing (dsrl.runtime.peers)."""
         try:
-            found = self.peers.obituary() if self.peers is not None else None
+            found = self.peers.obituary(wait_s=ENDED_VISIBLE_S) if self.peers is not None else None
         except Exception:  # noqa: BLE001 - naming is best effort
             found = None
         return f"{found}; " if found else ""

@@ -55,6 +55,24 @@ def test_ended_frozen_and_running_ranks_are_told_apart():
             p.wait()
 
 
+
+def test_an_error_path_waits_for_a_killed_peer_to_show_as_ended():
+    """A killed rank's sockets close before its process shows as gone (CI, stop 47: the gloo error arrived first and
+    the message named no rank). ``obituary(wait_s)`` looks again until the exit is visible; without the wait
+    (planted: ``wait_s=0``) the same moment names nobody."""
+    me, victim = this_process(), _sleeper()
+    try:
+        peers = Peers(0, [me, _process(victim)], label=lambda r: f"trainer {r}")
+        assert peers.obituary() is None  # running
+        killer = subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(0.3); "
+                                   f"os.kill({victim.pid}, signal.SIGKILL)"])
+        assert peers.obituary(wait_s=0) is None  # the planted fault: looked too early, names no one
+        assert peers.obituary(wait_s=10.0) == f"trainer 1 (rank 1 on host {HOST}) {ENDED}"
+        killer.wait()
+    finally:
+        victim.kill()
+        victim.wait()
+
 CALLER = r"""
 import json, sys, time
 from dsrl.runtime.peers import Peers, Process, this_process
