@@ -23,6 +23,8 @@ def _cpu_device(kwargs: dict[str, Any]) -> dict[str, Any]:
     dev = kwargs.get("device")
     if dev is not None and "cuda" in str(dev):
         kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):  # a host staging buffer for a CUDA copy (the rotary table's CP cut): none here
+        kwargs["pin_memory"] = False
     return kwargs
 
 
@@ -75,3 +77,26 @@ def install() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    # megatron-core's mixed-precision optimizer sorts the model's parameters by their CUDA type name
+    # ('torch.cuda.BFloat16Tensor', ...): while it is built, a CPU tensor reports the CUDA name of its dtype
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    build = moptimizer.Float16OptimizerWithFloat16Params.__init__
+
+    def build_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        own_type = torch.Tensor.type
+
+        def cuda_name(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            name = own_type(tensor, *a, **k)
+            if a or k or not isinstance(name, str) or not name.startswith("torch.") or ".cuda." in name:
+                return name
+            return "torch.cuda." + name[len("torch."):]
+
+        torch.Tensor.type = cuda_name  # type: ignore[method-assign]
+        try:
+            build(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = own_type  # type: ignore[method-assign]
+
+    moptimizer.Float16OptimizerWithFloat16Params.__init__ = build_on_cpu  # type: ignore[method-assign]

@@ -275,9 +275,11 @@ def _moe_tag(res: dict[str, Any]) -> str:
 
 
 def tolerance_for(ds_config: dict) -> float:
-    """1e-6 in float32 (a real model's too: module docstring); 2e-2 where the model runs in 16 bits."""
+    """1e-6 in float32 (a real model's too: module docstring); 2e-2 where the model runs in 16 bits (a ds_config
+    ``bf16`` / ``fp16`` section, or ``dsrl.model.dtype`` bfloat16: the Megatron engine's mixed precision)."""
+    model = (ds_config.get("dsrl") or {}).get("model") or {}
     low_precision = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") in (True, "auto")
-                        for k in ("bf16", "fp16"))
+                        for k in ("bf16", "fp16")) or model.get("dtype") == "bfloat16"
     return 2e-2 if low_precision else 1e-6
 
 
@@ -383,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                             worst = max(worst, res["error"])
                         if rank == 0:
                             where = (f"megatron tp={res['tensor_parallel_size']} pp={res['pipeline_parallel_size']}"
+                                     + (f" cp={res['context_parallel_size']}" if res.get("context_parallel_size", 1) > 1
+                                        else "")
                                      if megatron else f"ZeRO-{stage}")
                             print(f"{objective:<6} {args.data} {where} {loss_agg:<24} {split:<9} "
                                   f"ranks={res['world_size']} tp={res['tensor_parallel_size']} "

@@ -108,9 +108,9 @@ def run_megatron_case(raw: dict, loss_agg: str, split: str, method: str, seed: i
 
     engine_section = raw["dsrl"]["engine"]
     layout = layout_of(EngineConfig(**engine_section))
-    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    tp, pp, cp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.context_parallel_size
     world = dist.get_world_size()
-    replicas = world // (tp * pp)
+    replicas = world // (tp * pp * cp)
     B = 6 * replicas
     seqs = prepare_split(make_sequences(B, seed, empty=(split == "empty"), multiturn=(data == "multiturn")), replicas,
                          split)
@@ -125,11 +125,13 @@ def run_megatron_case(raw: dict, loss_agg: str, split: str, method: str, seed: i
     plan = BatchPlan.from_config(load_config(cfg), replicas, None)
     initialize_parallel(layout, seed)
     gpu = torch.cuda.is_available()
+    bf16 = (raw["dsrl"].get("model") or {}).get("dtype") == "bfloat16"  # mixed precision: the fp32 main weights' update
     settings = OptimizerSettings(lr=SGD_LR, min_lr=SGD_LR, optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0,
-                                 decay_every_parameter=True)
+                                 decay_every_parameter=True, bf16=bf16,
+                                 use_distributed_optimizer=not bf16)  # bf16: the main weights whole on each rank
     engine = build_engine(model.config, model.state_dict(), plan, layout, settings, on_gpu=gpu,
                           value_model=objective == "value")
-    before = {n: t.detach().double().cpu().clone() for n, t in engine.hf_weights()}
+    before = {n: t.detach().double().cpu().clone() for n, t in engine.hf_weights(main=bf16)}
     micros = [_with_rows(collate(part)) for part in split_for_rank(corrected, replicas,
                                                                     engine.view.data_parallel_rank, split)]
     for mb in micros:
@@ -140,7 +142,7 @@ def run_megatron_case(raw: dict, loss_agg: str, split: str, method: str, seed: i
     if method == "naive":  # the common wrong recipe, planted: the mean of the micro-batches' token means
         loss_fn = _mean_of_micro_means(loss_fn, corrected, replicas, split)
     metrics = engine.train_mini_batch(micros, loss_fn)
-    after = {n: t.detach().double().cpu().clone() for n, t in engine.hf_weights()}
+    after = {n: t.detach().double().cpu().clone() for n, t in engine.hf_weights(main=bf16)}
     update = {n: (before[n] - after[n]) / SGD_LR for n in before}
     with torch.no_grad():
         for name, p in reference.named_parameters():
@@ -148,7 +150,8 @@ def run_megatron_case(raw: dict, loss_agg: str, split: str, method: str, seed: i
     ref = reference_gradient(reference, seqs, loss_agg, MAX_LEN, objective)
     return {"stage": 0, "loss_agg": loss_agg, "split": split, "method": method, "world_size": world,
             "objective": objective, "data": data, "replicas": replicas, "engine": "megatron",
-            "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "model": arch, "expert_parallel_size": 1,
+            "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "context_parallel_size": cp, "model": arch,
+            "expert_parallel_size": 1,
             "error": relative_error(update, ref), "worst_tensor_error": relative_error(update, ref),
             "ratio": update_ratio(update, ref), "float64_error": None, "worst_parameter": worst_parameter(update, ref),
             "dense_error": None, "expert_error": None, "micro_batches": len(micros), "tokens": metrics.get("tokens"),

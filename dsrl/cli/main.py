@@ -79,6 +79,7 @@ def build_plan_report(cfg: Config, world_size: int, dataset_size: int | None,
         "engine": engine.kind,
         **({"tensor_model_parallel_size": engine.tensor_model_parallel_size,
             "pipeline_model_parallel_size": engine.pipeline_model_parallel_size,
+            "context_parallel_size": engine.context_parallel_size,
             "sequence_parallel": engine.sequence_parallel} if engine.kind == "megatron" else {}),
         "trainer_ranks": trainers,
         "generator_ranks": world_size - trainers,
@@ -211,9 +212,11 @@ def cmd_plan(argv: list[str]) -> int:
     ds = plan.deepspeed_batch_fields()
     if extra["engine"] == "megatron":
         tp, pp = extra["tensor_model_parallel_size"], extra["pipeline_model_parallel_size"]
+        cp = extra["context_parallel_size"]
         split = ", sequence parallel: the tensor group splits the positions too" if extra["sequence_parallel"] else ""
-        rows.insert(1, ("ranks per replica", f"{tp * pp} (Megatron engine: tensor {tp} x pipeline {pp}{split}); D = "
-                                             "world / that"))
+        context = f" x context {cp}" if cp > 1 else ""
+        rows.insert(1, ("ranks per replica", f"{tp * pp * cp} (Megatron engine: tensor {tp} x pipeline {pp}{context}"
+                                             f"{split}); D = world / that"))
         rows.append(("training engine", f"megatron-core on the {extra['accelerator']}, the ds_config's optimizer"))
     else:
         rows.insert(1, ("ranks per replica", f"{extra['tensor_parallel_size'] * extra['sequence_parallel_size']} "

@@ -33,7 +33,8 @@ class EngineConfig(Section):
     pipeline_model_parallel_size: int = setting(
         1, "kind 'megatron': pipeline stages, each holding a contiguous share of the layers", ge=1)
     context_parallel_size: int = setting(
-        1, "kind 'megatron': ranks that split each sequence's positions; only 1 runs under launch/train.py", ge=1)
+        1, "kind 'megatron': ranks that split each row's positions (Megatron's load-balanced chunks; dsrl's "
+           "all-gather attention in megatron-core's local spec)", ge=1)
     expert_model_parallel_size: int = setting(
         1, "kind 'megatron': ranks that split a mixture-of-experts model's experts; only 1 (dense models)", ge=1)
     sequence_parallel: bool = setting(
@@ -48,9 +49,8 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _layout_of_its_kind(self) -> EngineConfig:
-        """Megatron's sizes belong to kind 'megatron'; of them, context and expert parallelism are not built under
-        launch/train.py (megatron-core's local layer spec has no context-parallel attention, dsrl's HF weight map is
-        dense), and sequence parallelism needs a tensor group to split the positions over."""
+        """Megatron's sizes belong to kind 'megatron'; of them, expert parallelism is not built under launch/train.py
+        (dsrl's HF weight map is dense), and sequence parallelism needs a tensor group to split the positions over."""
         p = self.PATH
         set_here = [name for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                       "context_parallel_size", "expert_model_parallel_size")
@@ -61,11 +61,6 @@ class EngineConfig(Section):
                             "megatron-core's engine; DeepSpeed's layout comes from the ds_config (ZeRO, "
                             "tensor_parallel.autotp_size). Fix: set dsrl.engine.kind to 'megatron', or remove them.")
         if self.kind == MEGATRON_ENGINE:
-            if self.context_parallel_size != 1:
-                problems.append(f"{p}.context_parallel_size = {self.context_parallel_size}: the Megatron engine's "
-                                "layer spec (megatron-core's local spec, no Transformer Engine) has no "
-                                "context-parallel attention. Fix: set it to 1 (dsrl's Megatron step takes CP in a "
-                                "loop of your own: docs/megatron.md).")
             if self.expert_model_parallel_size != 1:
                 problems.append(f"{p}.expert_model_parallel_size = {self.expert_model_parallel_size}: dsrl's HF "
                                 "weight map for megatron-core is for dense models. Fix: set it to 1, or train the "

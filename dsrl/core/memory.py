@@ -22,7 +22,9 @@ On the Megatron engine (``dsrl.engine.kind = "megatron"``) the model states are 
 (:func:`megatron_states`), and every phase holds the rollout model, a full Hugging Face replica on every rank
 (``rollout_replica``), which generates (its KV cache unsharded) and receives the engine's weights at each sync;
 frozen models are full replicas too. Its tensor group splits the attention and MLP activations; the hidden-sized ones
-(the norms', the residual stream) only under sequence parallelism (``dsrl.engine.sequence_parallel``).
+(the norms', the residual stream) only under sequence parallelism (``dsrl.engine.sequence_parallel``). Its context
+group (``context_parallel_size``) splits every position of the decoder layers' activations, plus on each rank every
+position's keys and values per layer (all-gathered); the head's logit chunk runs on every position.
 
 The model states follow DeepSpeed's own accounting (``estimate_zero2_model_states_mem_needs`` /
 ``estimate_zero3_model_states_mem_needs`` of DeepSpeed 0.19.8, 16-bit weights with Adam: 2 + 18/D bytes per
@@ -111,6 +113,7 @@ class MemorySetup:
     pipeline_parallel: int = 1  # the Megatron engine's pipeline stages
     distributed_optimizer: bool = False  # megatron-core's distributed optimizer (on GPUs): states sharded over D
     sequence_parallel: bool = False  # megatron-core's: the tensor group splits the hidden-sized activations too
+    context_parallel: int = 1  # the Megatron engine's context group: splits the positions of the trunk's activations
 
     @property
     def sharded_for_generation(self) -> int:
@@ -155,7 +158,8 @@ class MemorySetup:
                    critic=critic if d.has_critic else None, megatron=megatron,
                    pipeline_parallel=d.engine.pipeline_model_parallel_size if megatron else 1,
                    distributed_optimizer=megatron and on_gpu,
-                   sequence_parallel=megatron and d.engine.sequence_parallel)
+                   sequence_parallel=megatron and d.engine.sequence_parallel,
+                   context_parallel=d.engine.context_parallel_size if megatron else 1)
 
 
 def _device_set(section: Any) -> bool:
@@ -313,7 +317,8 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
         if "reference" in frozen:  # on the device during its own pass
             lp.parts["reference"] = frozen["reference"]
     lp.parts.update(kept_backend)
-    lp.parts["activations"] = m.logprob_tokens * (_per_layer_nograd(s, b) + 2 * s.hidden * b) // tp
+    cp = m.context_parallel
+    lp.parts["activations"] = m.logprob_tokens * (_per_layer_nograd(s, b) + 2 * s.hidden * b) // (tp * cp)
     lp.parts["logit_chunk"] = _logit_chunk(m.logprob_tokens, s.vocab // tp)
 
     # training
@@ -330,10 +335,13 @@ def estimate(m: MemorySetup, device_bytes: int | None) -> dict[str, PhaseMemory]
             layer_input //= tp
         else:
             per_layer += _HIDDEN_SIZED * s.hidden * b * (tp - 1) // tp
+    per_layer //= cp  # the context group splits every position of the trunk, but each rank keeps every position's
+    layer_input //= cp  # keys and values (all-gathered for its queries, dsrl.backends.megatron.context_parallel)
+    gathered_kv = 2 * s.kv_heads * s.head_dim * b // tp if cp > 1 else 0
     if m.gradient_checkpointing:
-        tr.parts["activations"] = m.train_tokens * (s.layers * layer_input + per_layer)
+        tr.parts["activations"] = m.train_tokens * (s.layers * layer_input + per_layer + gathered_kv)
     else:
-        tr.parts["activations"] = m.train_tokens * s.layers * per_layer
+        tr.parts["activations"] = m.train_tokens * s.layers * (per_layer + gathered_kv)
     tr.parts["logit_chunk"] = _logit_chunk(m.train_tokens, s.vocab // tp) + 4 * m.train_tokens * s.hidden
     if m.zero_stage == 0 and m.data_parallel > 1 and not m.megatron:  # DeepSpeed all-reduces ZeRO-0's gradients as
         # flat buckets

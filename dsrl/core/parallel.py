@@ -10,7 +10,8 @@ exact step (:mod:`dsrl.core.step`) needs:
   before summing it over ``count_group`` (DeepSpeed's mean over D replicas: f = 1/D, so the scale
   is D; Megatron: the DDP's real factor). A backend's own loss conventions (Megatron dividing by
   the micro-batch or token count) are applied by that backend on top;
-- ``owns_sequences``: whether this rank counts sequences (only the first shard of each sequence);
+- ``owns_sequences``: whether this rank counts sequences (only the first shard of each sequence; every rank when
+  ``sequence_peers_hold_whole_rows``: Megatron CP run inside the model, whose count group leaves the peers out);
 - ``data_parallel_size`` / ``data_parallel_rank``: the replicas holding different sequences (D of
   the plan) and this rank's replica index, which decides which data it gets;
 - ``tensor_parallel_size`` / ``tensor_parallel_rank`` / ``tensor_parallel_group`` (DeepSpeed AutoTP
@@ -61,6 +62,9 @@ class ParallelView:
     tensor_parallel_group: Any = None  # torch ProcessGroup of this rank's tensor peers (None without TP)
     sequence_parallel_size: int = 1  # DeepSpeed Ulysses SP / Megatron CP shards of one sequence
     sequence_parallel_rank: int = 0
+    # Megatron CP inside the model (dsrl.backends.megatron.context_parallel): every sequence peer holds whole rows
+    # and computes the same loss, so each counts every sequence and the count group leaves the peers out
+    sequence_peers_hold_whole_rows: bool = False
     pipeline: PipelineView | None = None
     description: str = ""
     count_group_size: int = field(init=False)
@@ -70,8 +74,9 @@ class ParallelView:
 
     @property
     def owns_sequences(self) -> bool:
-        """Whether this rank counts sequences: only the first shard of each sequence does."""
-        return self.sequence_parallel_rank == 0
+        """Whether this rank counts sequences: only the first shard of each sequence does (every rank, when the
+        sequence peers hold whole rows: its count group then holds one of them per replica)."""
+        return self.sequence_parallel_rank == 0 or self.sequence_peers_hold_whole_rows
 
     @property
     def is_last_stage(self) -> bool:

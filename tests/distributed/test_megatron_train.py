@@ -3,14 +3,16 @@ by the entry point:
 
 - the same run file on both engines gives the same supervised warm-up rows (loss, gradient norm with clipping
   active, LR, tokens) within 1e-5 relative: DeepSpeed at DP = 2 against Megatron at TP = 2 (README suite) and at
-  DP = 2 and PP = 2 (extended). The data is the same and nothing is sampled; only the kernels differ;
+  DP = 2, PP = 2, TP = 2 with sequence parallelism and CP = 2 (extended). The data is the same and nothing is
+  sampled; only the kernels differ;
 - the run file's default job on Megatron at TP = 2 solves its task as DeepSpeed's does (last-10 exact match >= 95 %)
   and the rollout model's behaviour log-probs stay within 1e-5 of the trainer's at every rollout (the HF replica
   synced from the engine's weights);
 - a run stopped after its checkpoint and resumed gives the rows and the final model of the run that was not
   stopped, bit for bit, and the exported final model loads with transformers;
 - multi-turn tool rollouts run on it and match DeepSpeed's first rollout;
-- PPO trains its critic on it as DeepSpeed does, and resumes bit for bit with both engines at PP = 2.
+- PPO trains its critic on it as DeepSpeed does, and resumes bit for bit with both engines at PP = 2; sequence and
+  context parallelism change no row of a PPO run beyond float rounding, and a CP = 2 run resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def deepspeed_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     pytest.param(["--dsrl.engine.tensor_model_parallel_size", "1", "--dsrl.engine.pipeline_model_parallel_size",
                   "2"], marks=EXTENDED, id="pp2"),
     pytest.param(["--dsrl.engine.sequence_parallel", "true"], marks=EXTENDED, id="tp2_sp"),
-], ids=["tp2", "dp2", "pp2", "tp2_sp"])
+    pytest.param(["--dsrl.engine.tensor_model_parallel_size", "1", "--dsrl.engine.context_parallel_size", "2"],
+                 marks=EXTENDED, id="cp2"),
+], ids=["tp2", "dp2", "pp2", "tp2_sp", "cp2"])
 def test_the_same_run_file_gives_the_same_warm_up_on_both_engines(tmp_path, deepspeed_rows, layout):
     """Gradient clipping (1.0) is active in these steps (norms near 5), so the norm itself, counted once per tensor
     shard, and the clipped step are compared; the LR of every step is dsrl's schedule on both engines."""
@@ -92,15 +96,17 @@ def test_the_default_job_learns_on_megatron(tmp_path):
 
 
 @EXTENDED
-def test_a_stopped_run_resumes_bit_for_bit_and_exports(tmp_path):
+@pytest.mark.parametrize("precision", [(), ("--dsrl.model.dtype", "bfloat16")], ids=["fp32", "bf16"])
+def test_a_stopped_run_resumes_bit_for_bit_and_exports(tmp_path, precision):
     """Stopped after rollout 2's checkpoint and resumed, the run gives the rows and the final model of the run that
     was not stopped, bit for bit (so the Megatron checkpoint restored the weights, the optimizer, the schedule and
     the run's position, and the rollout model was synced from the restored weights); the final model loads with
     transformers, the checkpoint's manifest names the engine and its layout, and ``dsrl export`` of the last
-    checkpoint (offline, from its dist-checkpoint) gives the final model's tensors bit for bit."""
+    checkpoint (offline, from its dist-checkpoint) gives the final model's tensors bit for bit. In mixed precision
+    (bf16) too: the fp32 main weights are the optimizer's state in the checkpoint."""
     import safetensors.torch
 
-    flags = ("--dsrl.run.rollouts", "4", "--dsrl.sft.steps", "5", "--dsrl.run.save_every", "2")
+    flags = ("--dsrl.run.rollouts", "4", "--dsrl.sft.steps", "5", "--dsrl.run.save_every", "2", *precision)
     whole = _train(tmp_path, "whole", "tiny_grpo_megatron_cpu.json", *flags)
     parts = tmp_path / "parts"
     _train(tmp_path, "parts", "tiny_grpo_megatron_cpu.json", *flags, "--dsrl.run.stop_after_rollouts", "2")
@@ -123,7 +129,8 @@ def test_a_stopped_run_resumes_bit_for_bit_and_exports(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(whole / "final_model")
+    model = AutoModelForCausalLM.from_pretrained(whole / "final_model", dtype="auto")
+    assert model.dtype == (torch.bfloat16 if precision else torch.float32)
     state = model.state_dict()
     assert all(torch.equal(state[k], a[k]) for k in a)  # what transformers loads is what was exported
 
@@ -242,6 +249,44 @@ def test_sequence_parallelism_changes_no_row_of_a_ppo_run(tmp_path):
     assert [r["reward_mean"] for r in rollouts] == [r["reward_mean"] for r in plain_rollouts]
     assert max(abs(a["value_mean"] - b["value_mean"]) for a, b in zip(rollouts, plain_rollouts)) <= 1e-6
     assert max(r["rollout_logprob_abs_diff"] for r in rollouts) <= 1e-5
+
+
+@EXTENDED
+def test_context_parallelism_changes_no_row_of_a_ppo_run_and_resumes_bit_for_bit(tmp_path):
+    """PPO with the policy and the critic at CP = 2 (each row cut into the context group's chunks, dsrl's all-gather
+    attention, dsrl.backends.megatron.context_parallel) against TP = 2: one replica in both, so the same completions;
+    every step row within 1e-5, the same rewards, values within 1e-6, behaviour log-probs within 1e-5 of the
+    trainer's. Stopped after rollout 2's checkpoint and resumed, the CP run gives its own rows bit for bit, and the
+    checkpoint's manifest records the context-parallel size."""
+    ppo = ("--dsrl.run.output_dir",)
+    runs = {}
+    for name, engine, extra in (
+            ("tp2", {"kind": "megatron", "tensor_model_parallel_size": 2}, ()),
+            ("cp2", {"kind": "megatron", "context_parallel_size": 2}, ()),
+            ("parts", {"kind": "megatron", "context_parallel_size": 2}, ("--dsrl.run.stop_after_rollouts", "2")),
+            ("parts", {"kind": "megatron", "context_parallel_size": 2}, ("--resume", "auto"))):
+        out = tmp_path / name
+        launch(["launch/train.py", "--ds_config", _ppo_file(tmp_path, engine), *ppo, str(out),
+                "--dsrl.run.progress_bar", "false", *PPO_FLAGS, *extra], nprocs=2, timeout=900)
+        runs[name] = (_rows(out, "step"), _rows(out, "rollout"))
+    (plain_steps, plain_rollouts), (steps, rollouts) = runs["tp2"], runs["cp2"]
+    assert len(steps) == 16
+    for d, m in zip(plain_steps, steps, strict=True):
+        for key in ("loss", "grad_norm", "critic_loss", "critic_grad_norm"):
+            if key in d:
+                assert abs(m[key] - d[key]) <= 1e-5 * max(abs(d[key]), 1e-2), (key, m, d)
+    assert [r["reward_mean"] for r in rollouts] == [r["reward_mean"] for r in plain_rollouts]
+    assert max(abs(a["value_mean"] - b["value_mean"]) for a, b in zip(rollouts, plain_rollouts)) <= 1e-6
+    assert max(r["rollout_logprob_abs_diff"] for r in rollouts) <= 1e-5
+
+    def strip(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.endswith("_s") and "per_s" not in k and "mib" not in k}
+                for r in rows]
+
+    assert strip(runs["parts"][1]) == strip(rollouts)
+    assert strip(runs["parts"][0]) == strip(steps)
+    manifest = json.loads((tmp_path / "parts" / "checkpoints" / "rollout4" / "MANIFEST.json").read_text())
+    assert manifest["engines"]["."]["context_parallel_size"] == 2
 
 
 @EXTENDED

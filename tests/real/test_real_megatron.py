@@ -5,8 +5,8 @@ and 3 key/value heads, a tied head, rotary base 100,000, its pad token an input 
 gradient of the mini-batch loss (token-mean); and the real-model job under launch/train.py with ``dsrl.engine``
 megatron at PP = 2.
 
-TP = 3 (what the model's 3 key/value heads allow beside 1) runs on three ranks, with sequence parallelism: the same
-log-prob and step checks."""
+TP = 3 (what the model's 3 key/value heads allow beside 1) runs on three ranks, with sequence parallelism, and CP = 2
+on two: the same log-prob and step checks, and the real-model job."""
 
 from __future__ import annotations
 
@@ -49,6 +49,23 @@ def tp3_row(tmp_path_factory, real_model) -> dict:
     return result
 
 
+@pytest.fixture(scope="module")
+def cp2_row(tmp_path_factory, real_model) -> dict:
+    """The same at CP = 2 on two ranks: every row cut into the context group's chunks, dsrl's all-gather attention."""
+    out = tmp_path_factory.mktemp("megatron_real_cp2") / "rows.json"
+    torchrun("tests/workers/megatron_engine_worker.py", 2, ["--out", str(out), "--suite", "real", "--hf_dir",
+                                                             str(real_model), "--cp", "2"])
+    (result,) = json.loads(out.read_text())
+    assert result["layers"] == 30 and result["cp"] == 2, result
+    return result
+
+
+def test_the_real_model_at_cp2(cp2_row):
+    """Log-probs within 1e-4 of transformers', one step within 5e-5 of the float64 gradient."""
+    assert cp2_row["logprob_error"] <= LOGPROB_TOL, cp2_row
+    assert cp2_row["grad_error"] <= GRAD_TOL, cp2_row
+
+
 def test_the_real_model_at_tp3_with_sequence_parallelism(tp3_row):
     """Log-probs within 1e-4 of transformers' (1.6e-5 seen), one step within 5e-5 of the float64 gradient (1.0e-5)."""
     assert tp3_row["logprob_error"] <= LOGPROB_TOL, tp3_row
@@ -66,7 +83,8 @@ def test_the_real_models_step_on_the_megatron_engine_at_pp2(row):
 @pytest.mark.parametrize("engine,ranks", [
     ({"kind": "megatron", "pipeline_model_parallel_size": 2}, 2),
     ({"kind": "megatron", "tensor_model_parallel_size": 3, "sequence_parallel": True}, 3),
-], ids=["pp2", "tp3_sp"])
+    ({"kind": "megatron", "context_parallel_size": 2}, 2),
+], ids=["pp2", "tp3_sp", "cp2"])
 def test_the_real_job_runs_on_the_megatron_engine(tmp_path, real_model, chain_sum, engine, ranks):
     """configs/smollm2_135m_chain_sum_cpu.json (cut to 2 rollouts of 2 prompts x 4) with ``dsrl.engine`` megatron at
     PP = 2, and at TP = 3 with sequence parallelism on three ranks, under launch/train.py: it trains, evaluates every

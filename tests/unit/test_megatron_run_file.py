@@ -43,11 +43,13 @@ def test_the_engine_section_refuses_what_it_cannot_lay_out_all_at_once():
         load_config(_raw(kind="megatron", context_parallel_size=2, expert_model_parallel_size=2,
                          sequence_parallel=True))  # with tensor_model_parallel_size = 1: nothing to split over
     text = str(e.value)
-    assert text.startswith("3 problems:") and "context_parallel_size = 2" in text
-    assert "expert_model_parallel_size = 2" in text and text.count("Fix:") == 3
+    assert text.startswith("2 problems:") and "context_parallel_size" not in text  # context parallelism runs
+    assert "expert_model_parallel_size = 2" in text and text.count("Fix:") == 2
     assert "sequence_parallel with dsrl.engine.tensor_model_parallel_size = 1" in text
     sp = load_config(_raw(kind="megatron", tensor_model_parallel_size=2, sequence_parallel=True)).dsrl.engine
     assert sp.sequence_parallel and sp.model_parallel_size == 2  # the tensor group splits the positions too
+    cp = load_config(_raw(kind="megatron", tensor_model_parallel_size=2, context_parallel_size=2)).dsrl.engine
+    assert cp.model_parallel_size == 4
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size set with dsrl.engine.kind = 'deepspeed'"):
         load_config(_raw(tensor_model_parallel_size=2))
 
@@ -62,11 +64,11 @@ def test_megatron_refuses_deepspeeds_own_layouts():
     assert "tensor_parallel.autotp_size = 2: AutoTP is DeepSpeed's" in str(e.value)
 
 
-def _settings(ds: dict):
+def _settings(ds: dict, bf16: bool = False):
     pytest.importorskip("megatron.core")
     from dsrl.backends.megatron.run_file import optimizer_settings
 
-    return optimizer_settings(ds)
+    return optimizer_settings(ds, bf16=bf16)
 
 
 def test_the_ds_config_optimizer_becomes_megatrons():
@@ -94,6 +96,17 @@ def test_what_megatron_cannot_take_is_named_at_once():
     assert "lr = 0" in text and "bf16.enabled" in text
     with pytest.raises(ConfigError, match='no "optimizer" section'):
         _settings({})
+
+
+def test_the_precision_follows_the_models_dtype_and_a_section_that_contradicts_it_is_named():
+    adamw = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
+    assert _settings({**adamw, "bf16": {"enabled": "auto"}}, bf16=True).bf16  # mixed precision
+    assert not _settings({**adamw, "bf16": {"enabled": "auto"}}).bf16  # auto on the CPU: float32
+    with pytest.raises(ConfigError) as e:
+        _settings({**adamw, "bf16": {"enabled": False}, "fp16": {"enabled": True}}, bf16=True)
+    text = str(e.value)
+    assert text.startswith("2 problems:") and "fp16.enabled" in text and "dynamic loss scale" in text
+    assert "bf16.enabled = false with dsrl.model.dtype bfloat16" in text
 
 
 def test_dsrls_schedule_drives_megatrons_step_and_resumes_in_place():
@@ -182,7 +195,7 @@ def test_a_weight_the_rollout_model_lacks_or_never_gets_is_named():
         copy_weights(replica, iter([("0.bias", torch.zeros(3))]))
 
 
-def test_the_plan_counts_megatron_replicas_and_refuses_what_the_engine_cannot_run():
+def test_the_plan_counts_megatron_replicas_refuses_what_the_engine_cannot_run_and_takes_the_models_dtype():
     pytest.importorskip("megatron.core")
     from dsrl.cli.main import build_plan_report
     from dsrl.rl.run.engines import prepare_engine
@@ -193,8 +206,9 @@ def test_the_plan_counts_megatron_replicas_and_refuses_what_the_engine_cannot_ru
     assert extra["tensor_model_parallel_size"] == 2
     with pytest.raises(ConfigError, match=r"2 ranks per model replica does not divide the job's 3 ranks"):
         prepare_engine(cfg, 3, 512, gpu=False)
-    with pytest.raises(ConfigError, match=r"dtype = 'auto' \(bfloat16 on a GPU\).*Fix: set dsrl.model.dtype"):
-        prepare_engine(cfg, 2, 512, gpu=True)
+    assert not prepare_engine(cfg, 2, 512, gpu=False).settings.bf16  # auto on the CPU: float32
+    bf16 = load_config(str(MEGATRON_RUN_FILE), {"dsrl.model.dtype": "bfloat16"})
+    assert prepare_engine(bf16, 2, 512, gpu=False).settings.bf16  # megatron-core's mixed precision
 
 
 def test_dsrl_check_on_megatron_names_its_model_and_its_entry_without_cuda(monkeypatch):

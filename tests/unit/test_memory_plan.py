@@ -263,3 +263,17 @@ def test_sequence_parallelism_splits_the_hidden_sized_activations_over_the_tenso
     assert split["training"].parts["activations"] < plain["training"].parts["activations"]
     assert {k: v for k, v in split["training"].parts.items() if k != "activations"} == \
         {k: v for k, v in plain["training"].parts.items() if k != "activations"}
+
+
+def test_context_parallelism_splits_the_trunks_activations_but_keeps_every_positions_keys_and_values():
+    """One replica either way: the context group holds 1 / CP of the decoder layers' activations per rank, plus
+    every position's all-gathered keys and values, so between half and all of them at CP = 2; the head's logit chunk
+    (it runs on every position) and the model states do not change."""
+    one = {"tensor_model_parallel_size": 1}
+    plain, _, _ = _phases(_cfg("tiny_grpo_megatron_cpu.json", engine=one), ranks=1)
+    split, _, _ = _phases(_cfg("tiny_grpo_megatron_cpu.json", engine={**one, "context_parallel_size": 2}), ranks=2)
+    whole, halved = plain["training"].parts["activations"], split["training"].parts["activations"]
+    assert whole / 2 < halved < whole
+    assert split["logprobs"].parts["activations"] == plain["logprobs"].parts["activations"] // 2
+    assert {k: v for k, v in split["training"].parts.items() if k != "activations"} == \
+        {k: v for k, v in plain["training"].parts.items() if k != "activations"}

@@ -304,10 +304,10 @@ def run_actor(tp: int, pp: int) -> dict:
             "clipped": float(res["clip_low_frac"]) + float(res["clip_high_frac"])}
 
 
-def run_real(hf_dir: str, tp: int, pp: int, sequence_parallel: bool = False) -> dict:
+def run_real(hf_dir: str, tp: int, pp: int, sequence_parallel: bool = False, cp: int = 1) -> dict:
     """A pretrained model (the real-model tier's SmolLM2-135M-Instruct: 30 layers, a tied head) on the engine: its
     log-probs against transformers', and one exact step against the float64 reference gradient (rank 0 computes it)."""
-    layout = MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    layout = MegatronLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                             sequence_parallel=sequence_parallel)
     initialize_parallel(layout, seed=0)
     from transformers import AutoModelForCausalLM
@@ -335,7 +335,7 @@ def run_real(hf_dir: str, tp: int, pp: int, sequence_parallel: bool = False) -> 
 
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, logprob_error)
-    return {"case": "real", "tp": tp, "pp": pp, "sequence_parallel": sequence_parallel,
+    return {"case": "real", "tp": tp, "pp": pp, "cp": cp, "sequence_parallel": sequence_parallel,
             "layers": hf.config.num_hidden_layers,
             "logprob_error": max(errors), "grad_error": grad_error}
 
@@ -350,6 +350,7 @@ def main() -> None:
     ap.add_argument("--hf_dir", help="a Hugging Face model directory (--suite real)")
     ap.add_argument("--tp_sp", type=int, default=0, help="--suite real: at this TP with sequence parallelism "
                     "instead of PP = 2 (as many ranks)")
+    ap.add_argument("--cp", type=int, default=0, help="--suite real: at this CP instead of PP = 2 (as many ranks)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -364,7 +365,12 @@ def main() -> None:
     for kind, tp, pp, mode in cases:
         rows.append(run_case(kind, tp, pp, mode, args.plant))
     if args.suite == "real":
-        rows.append(run_real(args.hf_dir, args.tp_sp, 1, True) if args.tp_sp else run_real(args.hf_dir, 1, 2))
+        if args.tp_sp:
+            rows.append(run_real(args.hf_dir, args.tp_sp, 1, True))
+        elif args.cp:
+            rows.append(run_real(args.hf_dir, 1, 1, cp=args.cp))
+        else:
+            rows.append(run_real(args.hf_dir, 1, 2))
     if args.suite == "around" and not args.plant:
         rows.append(run_distributed_adam())
         rows.extend(run_weight_sync(tp, pp) for tp, pp in ((2, 1), (1, 2)))

@@ -22,8 +22,10 @@ Invariants: the rows are right-padded with positions ``0 .. s-1`` (dsrl's collat
 the attention mask and rotary positions are the sequence index; packed rows and prompt-shared rows (no
 ``attention_mask``, or a 4-D one) are refused. Under sequence parallelism the rows are padded to a multiple of the
 tensor-parallel size and the last stage's output is gathered along the sequence before the head (every rank of the
-group then runs the head on every position, as without it: :mod:`dsrl.backends.megatron.sequence_parallel`). The
-head's own forward (the logits path) gathers the full vocabulary.
+group then runs the head on every position, as without it: :mod:`dsrl.backends.megatron.sequence_parallel`); under
+context parallelism each rank runs its two chunks of every row and the output is gathered over the context group the
+same way (:mod:`dsrl.backends.megatron.context_parallel`). The head's own forward (the logits path) gathers the full
+vocabulary.
 """
 
 from __future__ import annotations
@@ -49,10 +51,18 @@ class VocabParallelHead(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
+        """This rank's vocabulary shard; under context parallelism its gradient counted on one context rank (the
+        head runs on the whole rows on each: :func:`dsrl.backends.megatron.context_parallel.counted_once`)."""
         gpt = self._gpt
-        if gpt.share_embeddings_and_output_weights:
-            return gpt.shared_embedding_or_output_weight()
-        return gpt.output_layer.weight
+        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                  else gpt.output_layer.weight)
+        if gpt.config.context_parallel_size == 1:
+            return weight
+        from megatron.core import parallel_state as ps
+
+        from dsrl.backends.megatron.context_parallel import counted_once
+
+        return counted_once(weight, ps.get_context_parallel_group())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel.mappings import (
@@ -80,11 +90,11 @@ class _ChunkFace(torch.nn.Module):
         gpt = unwrap_model(chunk)
         object.__setattr__(self, "gpt", gpt)
         # sequence parallelism: the tensor group splits the positions (dsrl.backends.megatron.sequence_parallel)
-        self.split_group = None
-        if gpt.config.sequence_parallel:
-            from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps
 
-            self.split_group = ps.get_tensor_model_parallel_group()
+        self.split_group = ps.get_tensor_model_parallel_group() if gpt.config.sequence_parallel else None
+        # context parallelism: the context group splits every row (dsrl.backends.megatron.context_parallel)
+        self.context_group = ps.get_context_parallel_group() if gpt.config.context_parallel_size > 1 else None
         pad = getattr(config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         if gpt.pre_process and pad is not None:
@@ -98,27 +108,42 @@ class _ChunkFace(torch.nn.Module):
     def _rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
               position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows the chunk runs and their positions, after refusing rows that are not right-padded ``[b, s]``
-        ones; under sequence parallelism padded on the right to a multiple of the tensor-parallel size."""
+        ones; under sequence parallelism padded on the right to a multiple of the tensor-parallel size; under context
+        parallelism to a multiple of ``2 cp`` (times that size), and cut to this context rank's two chunks."""
         if attention_mask is None or attention_mask.dim() != 2:
             raise ValueError("the Megatron engine runs right-padded rows with a [b, s] attention_mask; packed rows "
                              "and prompt-shared rows are not supported on it. Fix: set dsrl.model.packing = false "
                              "and dsrl.model.share_prompts = false.")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        if self.split_group is None:
+        tp_split = self.split_group.size() if self.split_group is not None else 1
+        cp = self.context_group.size() if self.context_group is not None else 1
+        if tp_split == 1 and cp == 1:
             return input_ids, position_ids
+        from dsrl.backends.megatron.context_parallel import cut_rows, rows_multiple
         from dsrl.backends.megatron.sequence_parallel import pad_rows
 
-        return pad_rows(input_ids, position_ids, self.split_group.size(), self.pad_id)
+        input_ids, position_ids = pad_rows(input_ids, position_ids, rows_multiple(cp, tp_split) if cp > 1 else tp_split,
+                                           self.pad_id)
+        if cp == 1:
+            return input_ids, position_ids
+        rank = self.context_group.rank()
+        return cut_rows(input_ids, cp, rank), cut_rows(position_ids, cp, rank)
 
     def _whole(self, out: torch.Tensor, length: int) -> torch.Tensor:
         """The last stage's output ``[b, s, ...]`` of the ``length`` real positions: gathered over the tensor group
-        under sequence parallelism (:func:`dsrl.backends.megatron.sequence_parallel.gather_positions`)."""
-        if self.split_group is None:
-            return out
-        from dsrl.backends.megatron.sequence_parallel import gather_positions
+        under sequence parallelism (:func:`dsrl.backends.megatron.sequence_parallel.gather_positions`), then over
+        the context group under context parallelism (:func:`dsrl.backends.megatron.context_parallel.gather_rows`)."""
+        if self.split_group is not None:
+            from dsrl.backends.megatron.sequence_parallel import gather_positions
 
-        return gather_positions(out, self.split_group, length)
+            whole_tp = out.shape[1] * self.split_group.size()
+            out = gather_positions(out, self.split_group, length if self.context_group is None else whole_tp)
+        if self.context_group is not None:
+            from dsrl.backends.megatron.context_parallel import gather_rows
+
+            out = gather_rows(out, self.context_group, length)
+        return out
 
 
 class GPTCausalLM(_ChunkFace):
@@ -148,7 +173,9 @@ class GPTCausalLM(_ChunkFace):
             return self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
         with _output_layer_passed_through(self.gpt):
             hidden = self.chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
-        return self.head(self._whole(hidden, length))
+        # mixed precision: megatron-core's Float16Module hands the last stage's output back in fp32; the head takes
+        # it in the weights' dtype, as megatron-core's own output layer would (a lossless round trip)
+        return self.head(self._whole(hidden, length).to(self.gpt.config.params_dtype))
 
 
 class GPTValueModel(_ChunkFace):

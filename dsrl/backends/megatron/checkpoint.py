@@ -21,12 +21,13 @@ def megatron_layout(engine: Any) -> dict[str, Any]:
     view = engine.view
     return {"engine": "megatron", "tensor_model_parallel_size": view.tensor_parallel_size,
             "pipeline_model_parallel_size": view.pipeline.size if view.pipeline is not None else 1,
-            "data_parallel_size": view.data_parallel_size, "world_size": collectives.world()}
+            "context_parallel_size": view.sequence_parallel_size, "data_parallel_size": view.data_parallel_size,
+            "world_size": collectives.world()}
 
 
 def check_layout(saved: dict[str, Any] | None, engine: Any, where: str) -> str | None:
     """Refuse a checkpoint another engine wrote, naming it. A checkpoint of this engine on another layout (tensor,
-    pipeline or data-parallel sizes, so also another number of ranks) loads: megatron-core's dist-checkpointing
+    pipeline, context or data-parallel sizes, so also another number of ranks) loads: megatron-core's dist-checkpointing
     stores every tensor with its global shape and reshards the model and the optimizer on load. Returns what to tell
     the user then (None: the same layout)."""
     now = megatron_layout(engine)
@@ -34,8 +35,9 @@ def check_layout(saved: dict[str, Any] | None, engine: Any, where: str) -> str |
         raise ConfigError(f"checkpoint {where} was not written by the Megatron engine (dsrl.engine.kind = "
                           "'megatron'). Fix: resume with the engine that wrote it, or start a new "
                           "dsrl.run.output_dir.")
-    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-    changed = [f"{k} {saved.get(k)} -> {now[k]}" for k in keys if saved.get(k) != now[k]]
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+            "data_parallel_size")
+    changed = [f"{k} {saved.get(k, 1)} -> {now[k]}" for k in keys if saved.get(k, 1) != now[k]]
     if not changed:
         return None
     return (f"checkpoint {where} was written on another Megatron layout ({', '.join(changed)}): megatron-core's "

@@ -23,9 +23,11 @@ Checkpoints go through megatron-core's dist-checkpointing (:meth:`MegatronEngine
 ``load_checkpoint``). ``launch/train.py`` builds this engine for ``dsrl.engine.kind = "megatron"``
 (:mod:`dsrl.rl.run.engines`), with the ds_config's optimizer (:mod:`dsrl.backends.megatron.run_file`), dsrl's
 schedule and, on the CPU, dsrl's gradient clipping (:func:`clip_grad_norm_on_host`). Not built yet (ARCHITECTURE §4
-"(engine)"; issue 40): context and expert parallelism (refused by :class:`MegatronLayout`), mixed precision, and
-generator ranks fed from it. Sequence parallelism (megatron-core's, over the tensor group) runs:
-:mod:`dsrl.backends.megatron.sequence_parallel`.
+"(engine)"; issue 40): expert parallelism (refused by :class:`MegatronLayout`) and generator ranks fed from it.
+Mixed precision is megatron-core's (``OptimizerSettings.bf16``: the model in bf16 under ``Float16Module``, fp32 main
+weights in the optimizer, gradients accumulated and reduced in fp32). Sequence parallelism (megatron-core's, over the
+tensor group) runs (:mod:`dsrl.backends.megatron.sequence_parallel`), and so does context parallelism, with dsrl's
+all-gather attention in megatron-core's local spec (:mod:`dsrl.backends.megatron.context_parallel`).
 """
 
 from __future__ import annotations
@@ -62,9 +64,6 @@ class MegatronLayout:
     def refusals(self) -> list[str]:
         """What this engine does not run yet, one sentence each (empty: it runs)."""
         out = []
-        if self.context_parallel_size != 1:
-            out.append("context_parallel_size > 1: megatron-core's local layer spec (the one that runs without "
-                       "Transformer Engine) has no context-parallel attention. Fix: set context_parallel_size to 1.")
         if self.expert_model_parallel_size != 1:
             out.append("expert_model_parallel_size > 1: the Hugging Face weight map serves dense Llama / Qwen2 / "
                        "Qwen3 models only. Fix: set expert_model_parallel_size to 1.")
@@ -94,6 +93,9 @@ class OptimizerSettings:
     # True: weight decay on every parameter, as DeepSpeed's optimizers do (launch/train.py); False: megatron-core's
     # default, none on biases and one-dimensional weights (norms)
     decay_every_parameter: bool = False
+    # mixed precision: bf16 weights and activations (megatron-core's Float16Module), fp32 main weights in the
+    # optimizer, gradients accumulated and reduced in fp32
+    bf16: bool = False
 
 
 class ReplicatedFrozen:
@@ -123,9 +125,12 @@ class MegatronEngine(MegatronRLStep):
 
     def __init__(self, chunk: Any, optimizer: Any, scheduler: Any, plan: BatchPlan, hf_config: Any, *,
                  schedule_unit: str = OPTIMIZER_STEPS, host_clip_grad: float = 0.0, value_model: bool = False):
+        from megatron.core import parallel_state as ps
+
         super().__init__(chunk, optimizer, scheduler, loss_agg=plan.loss_agg, convention=PER_TOKEN,
                          schedule_unit=schedule_unit, mini_batch_size=plan.mini_batch_size,
-                         loss_agg_norm_length=plan.loss_agg_norm_length)
+                         loss_agg_norm_length=plan.loss_agg_norm_length,
+                         context_parallel_in_model=ps.get_context_parallel_world_size() > 1)
         self.plan = plan
         self.hf_config = hf_config
         self.host_clip_grad = float(host_clip_grad)  # > 0: dsrl clips (megatron-core's clipping needs CUDA)
@@ -235,18 +240,25 @@ class MegatronEngine(MegatronRLStep):
         return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
 
     # -- weights for a rollout model ------------------------------------------------------------------
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self, main: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight of the model as ``(Hugging Face name, full tensor)``, on every rank, one weight at a time
         (:func:`dsrl.backends.megatron.hf_weights.iter_hf_weights`: gathered over the tensor group when reached),
         the pipeline stages in order, each stage's weights broadcast to the others as they come: no rank holds more
         than one full weight beside its shards. Collective: every rank consumes the iterator to its end. A tensor
-        may be a view of a parameter, valid until the next optimizer step (copy it to keep it)."""
+        may be a view of a parameter, valid until the next optimizer step (copy it to keep it). ``main``: under
+        mixed precision the optimizer's fp32 main weights (what its steps update) instead of the bf16 model's."""
         from megatron.core import parallel_state as ps
 
         from dsrl.backends.megatron.hf_weights import iter_hf_weights
 
         tp_group = ps.get_tensor_model_parallel_group() if self.view.tensor_parallel_size > 1 else None
-        stage_weights = iter_hf_weights(self.model[0], self.hf_config, tp_group)
+        tensor_of = None
+        if main and hasattr(self.optimizer, "fp32_from_float16_groups"):  # megatron-core's mixed-precision optimizer
+            copies = {id(p): m for group, mains in zip(self.optimizer.float16_groups,
+                                                        self.optimizer.fp32_from_float16_groups, strict=True)
+                      for p, m in zip(group, mains, strict=True)}
+            tensor_of = lambda p: copies.get(id(p), p)  # noqa: E731
+        stage_weights = iter_hf_weights(self.model[0], self.hf_config, tp_group, tensor_of)
         pipeline = self.view.pipeline
         if pipeline is None:
             yield from stage_weights
@@ -359,10 +371,12 @@ def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: Bat
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
     from dsrl.backends.megatron import hf_weights
 
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    dtype = torch.bfloat16 if settings.bf16 else torch.float32
     if hf_config.vocab_size % tp:
         from dsrl.config import ConfigError
 
@@ -370,8 +384,9 @@ def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: Bat
                           f"({hf_config.vocab_size} tokens). Fix: a tensor-parallel size that divides it.")
     config = hf_weights.gpt_config(
         hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        calculate_per_token_loss=True, use_cpu_initialization=not on_gpu, pipeline_dtype=torch.float32,
-        sequence_parallel=layout.sequence_parallel,
+        calculate_per_token_loss=True, use_cpu_initialization=not on_gpu, pipeline_dtype=dtype,
+        bf16=settings.bf16, params_dtype=dtype,
+        sequence_parallel=layout.sequence_parallel, context_parallel_size=layout.context_parallel_size,
         # pipeline stages exchange activations of each micro-batch's own shape (megatron-core refuses that with its
         # all-gather MoE dispatcher, even for a dense model)
         variable_seq_lengths=pp > 1, **({"moe_token_dispatcher_type": "alltoall"} if pp > 1 else {}))
@@ -380,11 +395,14 @@ def build_engine(hf_config: Any, hf_state: Mapping[str, torch.Tensor], plan: Bat
     hf_weights.load_hf_weights(gpt, hf_config, hf_state, ps.get_tensor_model_parallel_rank(), tp)
     if on_gpu:
         gpt.cuda()
+    chunk = Float16Module(config, gpt) if settings.bf16 else gpt  # bf16 in, fp32 out of the last stage
     # megatron-core 0.16.1's distributed optimizer and its gradient clipping take CUDA tensors only: on the CPU the
     # plain optimizer (every replica keeps the whole state) and no clipping
     distributed = settings.use_distributed_optimizer and on_gpu
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), gpt)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=settings.bf16), chunk)
     optimizer = get_megatron_optimizer(OptimizerConfig(
+        bf16=settings.bf16, params_dtype=dtype,
         optimizer=settings.optimizer, lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
         adam_beta1=settings.betas[0], adam_beta2=settings.betas[1], adam_eps=settings.eps,
         sgd_momentum=settings.sgd_momentum, clip_grad=settings.clip_grad if on_gpu else 0.0,

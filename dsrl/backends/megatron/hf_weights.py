@@ -22,7 +22,7 @@ one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -71,6 +71,20 @@ def gpt_config(hf_config: Any, **overrides: Any) -> Any:
     return TransformerConfig(**settings)
 
 
+def layer_spec(config: Any) -> Any:
+    """The local layer spec of the HF decoder's layers (RMSNorm, q/k norms when ``config.qk_layernorm``): its core
+    attention dsrl's context-parallel one under context parallelism
+    (:func:`dsrl.backends.megatron.context_parallel.context_parallel_spec`), its norms marked under sequence
+    parallelism (:func:`dsrl.backends.megatron.sequence_parallel.sequence_parallel_spec`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from dsrl.backends.megatron.context_parallel import context_parallel_spec
+    from dsrl.backends.megatron.sequence_parallel import sequence_parallel_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    return sequence_parallel_spec(context_parallel_spec(spec, config), config)
+
+
 def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, post_process: bool = True,
                     parallel_output: bool = True, value_head: bool = False) -> Any:
     """A ``GPTModel`` of ``config`` (:func:`gpt_config`) shaped like the HF model: local layer spec, rotary
@@ -79,9 +93,7 @@ def build_gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, po
     a :class:`ValueHead`, replicated over the tensor-parallel group, and nothing is tied."""
     from megatron.core.models.gpt import GPTModel
 
-    from dsrl.backends.megatron.sequence_parallel import layer_spec
-
-    spec = layer_spec(config)  # megatron-core's local spec (its norms marked for sequence parallelism when on)
+    spec = layer_spec(config)
     tied = _ties_head(hf_config, value_head)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
                    max_sequence_length=hf_config.max_position_embeddings, pre_process=pre_process,
@@ -300,10 +312,13 @@ def gather_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> dict[
     return dict(iter_hf_weights(model, hf_config, tp_group))
 
 
-def iter_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model: Any, hf_config: Any, tp_group: Any = None,
+                    tensor_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`gather_hf_weights` one megatron-core weight at a time: ``(HF name, full tensor)``, each gathered over
     the tensor-parallel group when it is reached (every rank of ``tp_group`` must consume the iterator to its end, in
-    step), so that at most one full weight is held beside the shards."""
+    step), so that at most one full weight is held beside the shards. ``tensor_of(parameter)``: the tensor to give
+    for a parameter (default: the parameter; the optimizer's fp32 main copy under mixed precision)."""
     import torch.distributed as dist
 
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -314,7 +329,7 @@ def iter_hf_weights(model: Any, hf_config: Any, tp_group: Any = None) -> Iterato
     for mcore, hf_names in _pairs(list(params), offset, tied, value):
         if tied and mcore == "output_layer.weight":
             continue  # the last stage's copy of the embedding: the HF model has it once
-        local = params[mcore].detach()
+        local = (tensor_of(params[mcore]) if tensor_of is not None else params[mcore]).detach()
         parts = [local]
         if size > 1 and lay.kind(mcore) is not None:  # replicated tensors need no gather
             parts = [torch.empty_like(local) for _ in range(size)]

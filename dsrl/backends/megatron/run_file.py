@@ -22,19 +22,22 @@ _KNOWN_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "
 
 
 def layout_of(engine: EngineConfig) -> MegatronLayout:
-    """The :class:`MegatronLayout` of ``dsrl.engine`` (context and expert parallelism were refused when the run
-    file was read)."""
+    """The :class:`MegatronLayout` of ``dsrl.engine`` (expert parallelism was refused when the run file was
+    read)."""
     return MegatronLayout(tensor_model_parallel_size=engine.tensor_model_parallel_size,
                           pipeline_model_parallel_size=engine.pipeline_model_parallel_size,
+                          context_parallel_size=engine.context_parallel_size,
                           sequence_parallel=engine.sequence_parallel)
 
 
-def optimizer_settings(ds_config: dict[str, Any]) -> OptimizerSettings:
+def optimizer_settings(ds_config: dict[str, Any], bf16: bool = False) -> OptimizerSettings:
     """megatron-core's optimizer for the ds_config's ``"optimizer"`` (Adam, AdamW, SGD) and ``"gradient_clipping"``:
     AdamW with decoupled weight decay on every parameter (DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is
     false), SGD with its momentum, and the clipping DeepSpeed would apply (its default when unset). Adam's
-    weight decay must be given: DeepSpeed's default differs between its CPU and GPU classes. Every problem at once,
-    as one ConfigError."""
+    weight decay must be given: DeepSpeed's default differs between its CPU and GPU classes. ``bf16``: the model's
+    dtype (``dsrl.model.dtype``, resolved) is bfloat16, so megatron-core trains in mixed precision (bf16 weights and
+    activations, fp32 main weights, gradients reduced in fp32); a ds_config ``bf16`` or ``fp16`` section must not
+    say otherwise. Every problem at once, as one ConfigError."""
     problems: list[str] = []
     section = ds_config.get("optimizer")
     if not isinstance(section, dict) or "type" not in section:
@@ -68,12 +71,19 @@ def optimizer_settings(ds_config: dict[str, Any]) -> OptimizerSettings:
     if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
         problems.append(f"ds_config gradient_clipping = {clip!r} must be a number >= 0 (0: no clipping).")
         clip = 0.0
-    for mode in ("fp16", "bf16"):
-        block = ds_config.get(mode)
-        if isinstance(block, dict) and block.get("enabled") is True:
-            problems.append(f"ds_config {mode}.enabled with dsrl.engine.kind = 'megatron': the Megatron engine trains "
-                            "in float32 under launch/train.py (its mixed precision is not built yet). Fix: set "
-                            f"{mode}.enabled to false and dsrl.model.dtype to 'float32'.")
+    fp16, bf16_section = (ds_config.get(mode) for mode in ("fp16", "bf16"))
+    if isinstance(fp16, dict) and fp16.get("enabled") is True:
+        problems.append("ds_config fp16.enabled with dsrl.engine.kind = 'megatron': the Megatron engine's mixed "
+                        "precision is bfloat16 (float16 needs a dynamic loss scale, not wired). Fix: remove the fp16 "
+                        "section and set dsrl.model.dtype to 'bfloat16' (or 'auto' on a GPU).")
+    if isinstance(bf16_section, dict) and bf16_section.get("enabled") is True and not bf16:
+        problems.append("ds_config bf16.enabled with dsrl.engine.kind = 'megatron' while dsrl.model.dtype resolves to "
+                        "float32: the Megatron engine's precision follows the model's dtype. Fix: set "
+                        "dsrl.model.dtype to 'bfloat16', or bf16.enabled to false.")
+    if isinstance(bf16_section, dict) and bf16_section.get("enabled") is False and bf16:
+        problems.append("ds_config bf16.enabled = false with dsrl.model.dtype bfloat16 on dsrl.engine.kind = "
+                        "'megatron': the engine trains a bfloat16 model in mixed precision (fp32 main weights). Fix: "
+                        "set bf16.enabled to true or \"auto\", or dsrl.model.dtype to 'float32'.")
     if problems:
         from dsrl.config.errors import problems_error
 
@@ -82,4 +92,4 @@ def optimizer_settings(ds_config: dict[str, Any]) -> OptimizerSettings:
     return OptimizerSettings(
         lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(params.get("eps", 1e-8)),
         weight_decay=float(params.get("weight_decay", 0.0)), clip_grad=float(clip), optimizer=name,
-        sgd_momentum=float(params.get("momentum", 0.0)), decay_every_parameter=True)
+        sgd_momentum=float(params.get("momentum", 0.0)), decay_every_parameter=True, bf16=bf16)

@@ -12,7 +12,8 @@ test_megatron_check.py, and against the same run without it, tests/distributed/t
 - :class:`SequenceParallelNorm`: megatron-core's local spec builds torch's ``RMSNorm`` / ``LayerNorm`` and refuses
   sequence parallelism there (only Transformer Engine's and Apex's norms take it); this is the same norm, with its
   parameters marked so that their gradients are summed over the tensor group. :func:`sequence_parallel_spec` puts
-  it in a local spec (the engine's, :func:`layer_spec`, or a user's own GPTModel in a loop of their own).
+  it in a local spec (the engine's, :func:`dsrl.backends.megatron.hf_weights.layer_spec`, or a user's own GPTModel in
+  a loop of their own).
 - :func:`padded_length`: the split needs a length divisible by the tensor-parallel size, so a row is padded on the
   right (causal attention: the real positions never see the padding) and its outputs cut back.
 - :func:`gather_positions`: the model's output (final hidden states, or a value model's values) is gathered along
@@ -46,15 +47,6 @@ class SequenceParallelNorm:
         return norm
 
 
-def layer_spec(config: Any) -> Any:
-    """The local layer spec of the HF decoder's layers (RMSNorm, q/k norms when ``config.qk_layernorm``), through
-    :func:`sequence_parallel_spec`."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return sequence_parallel_spec(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
-                                                           normalization="RMSNorm"), config)
-
-
 def sequence_parallel_spec(spec: Any, config: Any, pp_rank: int | None = None) -> Any:
     """``spec`` (a layer spec of megatron-core's local modules, e.g. ``get_gpt_layer_local_spec()``) for a model of
     ``config``: with ``config.sequence_parallel``, a block spec of this pipeline stage's layers (``pp_rank``; None:
@@ -68,14 +60,14 @@ def sequence_parallel_spec(spec: Any, config: Any, pp_rank: int | None = None) -
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     spec = copy.deepcopy(spec)
-    _replace(spec, WrappedTorchNorm, SequenceParallelNorm)
+    replace_modules(spec, WrappedTorchNorm, SequenceParallelNorm)
     if pp_rank is None and config.pipeline_model_parallel_size == 1:
         pp_rank = 0  # one stage: no parallel state needed to know which
     layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
 
 
-def _replace(spec: Any, old: type, new: type) -> None:
+def replace_modules(spec: Any, old: type, new: type) -> None:
     """Every submodule class ``old`` of the spec tree ``spec`` (ModuleSpecs and their submodule dataclasses) made
     ``new``, in place."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -88,7 +80,7 @@ def _replace(spec: Any, old: type, new: type) -> None:
         if value is old:
             setattr(spec, name, new)
         elif isinstance(value, ModuleSpec) or hasattr(value, "__dataclass_fields__"):
-            _replace(value, old, new)
+            replace_modules(value, old, new)
 
 
 def padded_length(length: int, tp: int) -> int:
@@ -136,5 +128,5 @@ def embedding_slice(mask: torch.Tensor, out: torch.Tensor, embedding: Any) -> to
     return mask.t()[start:start + rows].contiguous().unsqueeze(-1)
 
 
-__all__ = ["SequenceParallelNorm", "embedding_slice", "gather_positions", "gather_sequence", "layer_spec", "pad_rows",
-           "padded_length", "sequence_parallel_spec"]
+__all__ = ["SequenceParallelNorm", "embedding_slice", "gather_positions", "gather_sequence", "pad_rows",
+           "padded_length", "replace_modules", "sequence_parallel_spec"]

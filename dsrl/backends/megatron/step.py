@@ -121,7 +121,10 @@ class MegatronRLStep(StepCore):
     ``convention``: ``"per_token"`` needs ``calculate_per_token_loss=True`` set before the DDP wrap;
     ``"average"`` needs it False. ``mini_batch_size``/``loss_agg_norm_length`` are needed by
     ``seq-mean-token-sum-norm`` only. ``cp_shard``: micro-batches hold whole sequences and dsrl cuts
-    them for context parallelism itself (after counting n_s on the whole sequence).
+    them for context parallelism itself (after counting n_s on the whole sequence). ``context_parallel_in_model``
+    (the Megatron engine's): the model cuts and gathers rows itself (:mod:`dsrl.backends.megatron.context_parallel`),
+    every context peer computes the same loss on whole rows, tokens are counted over the data-parallel group, and
+    only context rank 0 gives ``finalize_model_grads`` its token count (which it sums over DP x CP).
     """
 
     same_shape_fillers = True
@@ -140,6 +143,7 @@ class MegatronRLStep(StepCore):
         cp_shard: bool = True,
         count_group: Any = None,
         check_count_group: bool = True,
+        context_parallel_in_model: bool = False,
     ):
         require_megatron()
         from megatron.core.utils import get_model_config
@@ -153,8 +157,10 @@ class MegatronRLStep(StepCore):
         if getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError("the scheduler was built for a different optimizer than the one given")
         self.convention = convention
-        self.cp_shard = cp_shard
-        view = megatron_view(self.model, convention, count_group=count_group, check_count_group=check_count_group)
+        self.cp_shard = cp_shard and not context_parallel_in_model
+        self.context_parallel_in_model = context_parallel_in_model
+        view = megatron_view(self.model, convention, count_group=count_group, check_count_group=check_count_group,
+                             context_parallel_in_model=context_parallel_in_model)
         super().__init__(view, self.driver, loss_agg=loss_agg, mini_batch_size=mini_batch_size,
                          loss_agg_norm_length=loss_agg_norm_length)
         self.config = get_model_config(self.model[0])
@@ -189,6 +195,8 @@ class MegatronRLStep(StepCore):
     def _prepare(self, micros: list[MicroBatch]) -> list[MicroBatch]:
         """Attach whole-sequence n_s and cut for context parallelism (before counting)."""
         cp_size, cp_rank = self.view.sequence_parallel_size, self.view.sequence_parallel_rank
+        if self.context_parallel_in_model:
+            return micros  # whole rows on every context rank: the model cuts them
         out = []
         for mb in micros:
             if cp_size > 1 and self.cp_shard:
@@ -212,7 +220,8 @@ class MegatronRLStep(StepCore):
             )
         b = max(s[0] for s in shapes)
         t = max(s[1] for s in shapes)
-        return t * self.view.sequence_parallel_size, b  # Megatron divides seq_length by the CP size itself
+        # Megatron divides seq_length by the CP size itself (the model's own cut pads first: variable shapes then)
+        return t * (1 if self.context_parallel_in_model else self.view.sequence_parallel_size), b
 
     def train_step(self, micro_batches: Sequence[MicroBatch], forward_fn: ForwardFn, loss_fn: LossFn) -> StepResult:
         """One optimizer step over this rank's micro-batches of a mini-batch.
@@ -235,6 +244,9 @@ class MegatronRLStep(StepCore):
         per_token = self.convention == PER_TOKEN
         # per_token: finalize divides by sum n_local = N_M; average: the schedule divides by M, DDP scales by f.
         factor = float(counts.tokens) if per_token else counts.max_micro_batches * self.view.grad_scale
+        # finalize_model_grads sums the micro-batches' counts over DP x CP: context peers holding the same whole rows
+        # would be counted once each
+        gives_count = not self.context_parallel_in_model or self.view.sequence_parallel_rank == 0
         seq_length, mbs = self._shapes([it.micro for it in inputs.items])
 
         for chunk in self.model:
@@ -250,7 +262,7 @@ class MegatronRLStep(StepCore):
 
             def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Log]:
                 s_w, log = self.micro_loss(loss_fn(output_tensor, item.micro), item)
-                n_local = int(valid_mask(item.micro["loss_mask"]).sum()) if per_token else 1
+                n_local = (int(valid_mask(item.micro["loss_mask"]).sum()) if gives_count else 0) if per_token else 1
                 return s_w * factor, torch.tensor(n_local, dtype=torch.int, device=s_w.device), log
 
             return output, loss_func

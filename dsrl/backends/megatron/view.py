@@ -65,11 +65,14 @@ def ddp_grad_factor(chunk: Any) -> float:
 
 
 def megatron_view(
-    model: list[Any], convention: str, *, count_group: Any = None, check_count_group: bool = True
+    model: list[Any], convention: str, *, count_group: Any = None, check_count_group: bool = True,
+    context_parallel_in_model: bool = False,
 ) -> ParallelView:
     """Read and validate the layout of DDP-wrapped ``model`` chunks for ``convention`` (``"per_token"``
     or ``"average"``); every mismatch is an error naming the flag and the fix. ``count_group``
-    overrides DP x CP (validated unless ``check_count_group`` is False)."""
+    overrides DP x CP (validated unless ``check_count_group`` is False). ``context_parallel_in_model``: the model
+    cuts rows for context parallelism and gathers them back (:mod:`dsrl.backends.megatron.context_parallel`), so
+    context peers hold whole rows: the count group is the data-parallel group without them."""
     require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
@@ -124,6 +127,8 @@ def megatron_view(
             raise ValueError("average_in_collective=True needs ReduceOp.AVG, which gloo lacks; set it False on CPU")
     else:
         raise ValueError(f"unknown convention {convention!r}")
+    if count_group is None and context_parallel_in_model:
+        count_group = ps.get_data_parallel_group(with_context_parallel=False)
     group = dp_cp if count_group is None else count_group
     if check_count_group:
         validate_count_group(group)
@@ -131,7 +136,8 @@ def megatron_view(
     cp_rank = ps.get_context_parallel_rank()
     pp_size = ps.get_pipeline_model_parallel_world_size()
     tp_size = ps.get_tensor_model_parallel_world_size()
-    counted = "DPxCP" if count_group is None else "a custom group"
+    counted = ("DPxCP" if count_group is None else
+               "DP (context parallelism inside the model)" if context_parallel_in_model else "a custom group")
     desc = (f"tp={tp_size} pp={pp_size} cp={cp_size} dp={ps.get_data_parallel_world_size()}; counts over "
             f"{counted} ({dist.get_world_size(group=group)} ranks); DDP factor {f:g}"
             f"{' (average_in_collective)' if avg_in_coll else ''}; convention={convention}")
@@ -146,5 +152,6 @@ def megatron_view(
                         data_parallel_rank=ps.get_data_parallel_rank(), tensor_parallel_size=tp_size,
                         tensor_parallel_rank=ps.get_tensor_model_parallel_rank(),
                         tensor_parallel_group=ps.get_tensor_model_parallel_group() if tp_size > 1 else None,
-                        sequence_parallel_size=cp_size, sequence_parallel_rank=cp_rank, pipeline=pipeline,
+                        sequence_parallel_size=cp_size, sequence_parallel_rank=cp_rank,
+                        sequence_peers_hold_whole_rows=context_parallel_in_model, pipeline=pipeline,
                         description=desc)

@@ -70,22 +70,22 @@ def prepare_engine(cfg: Config, world: int, dataset_size: int | None, gpu: bool)
     engine = cfg.dsrl.engine
     replica = engine.model_parallel_size
     if world % replica:
-        raise ConfigError(f"dsrl.engine: tensor_model_parallel_size x pipeline_model_parallel_size = {replica} ranks "
+        raise ConfigError(f"dsrl.engine: tensor_model_parallel_size x pipeline_model_parallel_size x "
+                          f"context_parallel_size = {replica} ranks "
                           f"per model replica does not divide the job's {world} ranks. Fix: launch a multiple of "
                           f"{replica} ranks, or change the sizes.")
     import torch
 
     from dsrl.rl.policy.model import resolve_dtype
 
-    if resolve_dtype(cfg.dsrl.model.dtype, gpu) != torch.float32:
-        raise ConfigError(f"dsrl.engine.kind = 'megatron' with dsrl.model.dtype = {cfg.dsrl.model.dtype!r}"
-                          f"{' (bfloat16 on a GPU)' if cfg.dsrl.model.dtype == 'auto' else ''}: the Megatron engine "
-                          "trains in float32 under launch/train.py (its mixed precision is not built yet). Fix: set "
-                          "dsrl.model.dtype to 'float32'.")
-    settings = optimizer_settings(cfg.ds_config)
+    settings = optimizer_settings(cfg.ds_config, bf16=resolve_dtype(cfg.dsrl.model.dtype, gpu) == torch.bfloat16)
     # The run file as the DeepSpeed engine reads it (the plan, the ds_config checked by DeepSpeed's own classes, the
     # schedule), over the Megatron engine's data-parallel replicas: DeepSpeed's mpu interface says how many.
-    shared = prepare(cfg, world_size=world, mpu=_DataParallelReplicas(world // replica), dataset_size=dataset_size,
+    # megatron-core owns the precision (settings.bf16): DeepSpeed only plans, schedules and reads the monitors here
+    planned = Config(ds_config={k: v for k, v in cfg.ds_config.items() if k not in ("bf16", "fp16")},
+                     dsrl=cfg.dsrl.model_copy(update={"model": cfg.dsrl.model.model_copy(update={"dtype": "float32"})}),
+                     source=cfg.source)
+    shared = prepare(planned, world_size=world, mpu=_DataParallelReplicas(world // replica), dataset_size=dataset_size,
                      on_gpu=gpu)
     return MegatronSpec(cfg, shared.plan, shared.ds_config, shared.schedule, layout_of(engine), settings, gpu)
 
