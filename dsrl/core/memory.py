@@ -194,15 +194,17 @@ def model_states(params: int, trainable: int, largest_layer: int, data_parallel:
 
 def megatron_states(params: int, trainable: int, data_parallel: int, model_parallel: int, weight_bytes: int,
                     distributed_optimizer: bool) -> dict[str, int]:
-    """Bytes per rank of a model's states on the Megatron engine, which trains in float32 (``weight_bytes`` 4): this
-    rank's shard of ``model_parallel`` = TP x PP (the weights spread evenly over the stages and tensor ranks; the
-    embedding and head make the first and last stages somewhat larger), megatron-core DDP's contiguous fp32 gradient
-    buffer (kept between steps), Adam's two fp32 moments, sharded over the D replicas by the distributed optimizer
-    (on GPUs); no separate master weights in float32."""
+    """Bytes per rank of a model's states on the Megatron engine: this rank's shard of ``model_parallel`` = TP x PP
+    (the weights spread evenly over the stages and tensor ranks; the embedding and head make the first and last stages
+    somewhat larger; context ranks hold whole replicas), megatron-core DDP's contiguous fp32 gradient buffer (kept
+    between steps), Adam's two fp32 moments, and under mixed precision (``weight_bytes`` 2: bf16 weights) the fp32
+    main weights; the moments and main weights are sharded over the D replicas by the distributed optimizer (on
+    GPUs). In float32 (``weight_bytes`` 4) the weights are the main weights."""
     shard, trained = params // model_parallel, trainable // model_parallel
-    moments = 8 * trained // (max(1, data_parallel) if distributed_optimizer else 1)
-    return {"weights": weight_bytes * shard, "gradients": 4 * trained, "master_weights": 0,
-            "optimizer_states": moments}
+    spread = max(1, data_parallel) if distributed_optimizer else 1
+    main = 4 * trained // spread if weight_bytes < 4 else 0
+    return {"weights": weight_bytes * shard, "gradients": 4 * trained, "master_weights": main,
+            "optimizer_states": 8 * trained // spread}
 
 
 TRAINING_STATE = ("gradients", "master_weights", "optimizer_states")

@@ -253,6 +253,8 @@ def test_the_megatron_engine_holds_its_shard_and_a_full_replica():
     assert base["generation"].parts["rollout_replica"] == base["training"].parts["weights"]  # both float32, N
     states = megatron_states(1000, 1000, 4, 2, 4, distributed_optimizer=True)
     assert states == {"weights": 2000, "gradients": 2000, "master_weights": 0, "optimizer_states": 1000}
+    mixed = megatron_states(1000, 1000, 4, 2, 2, distributed_optimizer=True)  # bf16 weights, fp32 main weights
+    assert mixed == {"weights": 1000, "gradients": 2000, "master_weights": 500, "optimizer_states": 1000}
 
 
 def test_sequence_parallelism_splits_the_hidden_sized_activations_over_the_tensor_group():
