@@ -40,7 +40,9 @@ from dsrl.core.timeouts import looks_like_timeout
 from dsrl.runtime.peers import Peers
 
 ENDED_VISIBLE_S = 3.0
-"""How long an error path looks for a peer's ended process before it names none (:meth:`Peers.obituary`)."""
+"""How long an error path that lost a connection looks for a peer's ended process before it names none
+(:meth:`Peers.obituary`)."""
+LOST_CONNECTION = ("connection closed", "connection reset", "broken pipe", "connection refused")
 PHASES = ("start", "generation", "environment", "reward", "step", "save", "export")
 
 
@@ -215,31 +217,34 @@ class Watch:
             missing = _missing_ranks(str(e))
             if missing:
                 who = ", ".join(str(r) for r in missing)
-                msg = (f"{self._ended()}rank {who} did not finish the {name} phase within {self.timeout_s:g} s of "
+                msg = (f"{self._ended(e)}rank {who} did not finish the {name} phase within {self.timeout_s:g} s of "
                        f"rank {self.rank} (dsrl.run.collective_timeout_s); last reports: {self._reports()}. The job "
                        f"ends here; the last committed checkpoint is intact (resume with --resume auto once rank {who} "
                        "is healthy).")
             elif self.rank == 0 or "connection" in str(e).lower():  # a peer's connection closed: it is gone
-                msg = (f"{self._ended()}rank {self.rank} lost a peer at the end of the {name} phase "
+                msg = (f"{self._ended(e)}rank {self.rank} lost a peer at the end of the {name} phase "
                        f"({str(e).splitlines()[0][:160]}); last reports: {self._reports()}. The job ends here; the "
                        "last committed checkpoint is intact (resume with --resume auto once every rank is healthy).")
             else:
-                msg = (f"{self._ended()}rank {self.rank} stopped waiting at the end of the {name} phase: rank 0 "
+                msg = (f"{self._ended(e)}rank {self.rank} stopped waiting at the end of the {name} phase: rank 0 "
                        f"reported a rank that did not arrive within {self.timeout_s:g} s, or rank 0 is gone; see rank "
                        "0's message.")
             raise CollectiveTimeout(msg) from e
         self._mark(f"{name} done")
 
-    def _ended(self) -> str:
+    def _ended(self, error: BaseException) -> str:
         """'trainer 1 (rank 1 on host a) has ended (its process is gone); ' for the ranks of this host that ended, or
-        nothing (dsrl.runtime.peers)."""
+        nothing (dsrl.runtime.peers). After a closed connection (``error``), a peer's exit may not be visible yet:
+        look for up to :data:`ENDED_VISIBLE_S`."""
+        lost = any(word in str(error).lower() for word in LOST_CONNECTION)
         try:
-            found = self.peers.obituary(wait_s=ENDED_VISIBLE_S) if self.peers is not None else None
+            found = (self.peers.obituary(wait_s=ENDED_VISIBLE_S if lost else 0.0)
+                     if self.peers is not None else None)
         except Exception:  # noqa: BLE001 - naming is best effort
             found = None
         return f"{found}; " if found else ""
 
     def _in_phase_message(self, name: str, exc: BaseException) -> str:
-        return (f"{self._ended()}a collective of the {name} phase did not complete on rank {self.rank} within "
+        return (f"{self._ended(exc)}a collective of the {name} phase did not complete on rank {self.rank} within "
                 f"{self.timeout_s:g} s (dsrl.run.collective_timeout_s) or lost a peer; last reports: "
                 f"{self._reports()}. ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")

@@ -141,3 +141,22 @@ def test_a_stepped_wall_clock_ends_no_live_process(monkeypatch, tmp_path, plante
         launcher.kill()
         launcher.wait()
     assert stop._gone(launcher.pid, stamp) and peers.ended() == {1: ENDED} and not output_lock._alive(lock)
+
+
+def test_only_a_lost_connection_waits_for_the_peer_to_show_as_ended():
+    """The watchdog's messages look for an ended peer for up to ENDED_VISIBLE_S after a closed connection (stop 47),
+    and look once after a plain timeout (a hung peer is running: waiting would only delay the message)."""
+    from dsrl.runtime.watchdog import ENDED_VISIBLE_S, Watch
+
+    class Looks:
+        waits: list[float] = []
+
+        def obituary(self, wait_s: float = 0.0) -> str | None:
+            self.waits.append(wait_s)
+            return None
+
+    watch, looks = Watch(60.0), Looks()
+    watch.peers = looks
+    assert watch._ended(RuntimeError("[gloo] pair.cc:553 Connection closed by peer [127.0.0.1]:1234")) == ""
+    assert watch._ended(RuntimeError("Rank 1 failed to pass monitoredBarrier in 60000 ms")) == ""
+    assert looks.waits == [ENDED_VISIBLE_S, 0.0]
