@@ -52,6 +52,11 @@ def _sft_rows_of(out: Path) -> list[dict]:
     return _rows(out, "sft")
 
 
+def _timeless(rows: list[dict]) -> list[dict]:
+    """The rows without their timings and memory figures (what a bit-for-bit comparison of two runs compares)."""
+    return [{k: v for k, v in r.items() if not k.endswith("_s") and "per_s" not in k and "mib" not in k} for r in rows]
+
+
 def _worst(a: list[dict], b: list[dict]) -> dict[str, float]:
     return {k: max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for x, y in zip(a, b, strict=True)) for k in ROW_KEYS}
 
@@ -127,11 +132,7 @@ def test_a_stopped_run_resumes_bit_for_bit_and_exports(tmp_path, precision):
     assert not (parts / "final_model").exists()
     _train(tmp_path, "parts", "tiny_grpo_megatron_cpu.json", *flags, "--resume", "auto")
 
-    def strip(rows: list[dict]) -> list[dict]:
-        return [{k: v for k, v in r.items() if not k.endswith("_s") and "per_s" not in k and "mib" not in k}
-                for r in rows]
-
-    assert strip(_rows(parts, "rollout")) == strip(_rows(whole, "rollout"))
+    assert _timeless(_rows(parts, "rollout")) == _timeless(_rows(whole, "rollout"))
     a = safetensors.torch.load_file(whole / "final_model" / "model.safetensors")
     b = safetensors.torch.load_file(parts / "final_model" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
@@ -241,6 +242,21 @@ def test_ppo_trains_its_critic_on_megatron_as_on_deepspeed_and_resumes_bit_for_b
     assert manifest["engines"]["critic"]["pipeline_model_parallel_size"] == 2
 
 
+def _assert_same_ppo_rows(plain: tuple[list[dict], list[dict]], split: tuple[list[dict], list[dict]]) -> None:
+    """Two PPO runs of one replica on different layouts, as ``(step rows, rollout rows)``: 16 steps, each within 1e-5
+    (policy and critic), the same rewards, values within 1e-6, and the second run's behaviour log-probs within 1e-5
+    of its trainer's."""
+    (plain_steps, plain_rollouts), (steps, rollouts) = plain, split
+    assert len(steps) == 16
+    for d, m in zip(plain_steps, steps, strict=True):
+        for key in ("loss", "grad_norm", "critic_loss", "critic_grad_norm"):
+            if key in d:
+                assert abs(m[key] - d[key]) <= 1e-5 * max(abs(d[key]), 1e-2), (key, m, d)
+    assert [r["reward_mean"] for r in rollouts] == [r["reward_mean"] for r in plain_rollouts]
+    assert max(abs(a["value_mean"] - b["value_mean"]) for a, b in zip(rollouts, plain_rollouts)) <= 1e-6
+    assert max(r["rollout_logprob_abs_diff"] for r in rollouts) <= 1e-5
+
+
 @EXTENDED
 def test_sequence_parallelism_changes_no_row_of_a_ppo_run(tmp_path):
     """PPO at TP = 2 with and without megatron-core's sequence parallelism (the positions split over the tensor group
@@ -254,15 +270,7 @@ def test_sequence_parallelism_changes_no_row_of_a_ppo_run(tmp_path):
         launch(["launch/train.py", "--ds_config", _ppo_file(tmp_path, engine), "--dsrl.run.output_dir", str(out),
                 "--dsrl.run.progress_bar", "false", *PPO_FLAGS], nprocs=2, timeout=900)
         rows[name] = (_rows(out, "step"), _rows(out, "rollout"))
-    (plain_steps, plain_rollouts), (steps, rollouts) = rows["plain"], rows["split"]
-    assert len(steps) == 16
-    for d, m in zip(plain_steps, steps, strict=True):
-        for key in ("loss", "grad_norm", "critic_loss", "critic_grad_norm"):
-            if key in d:
-                assert abs(m[key] - d[key]) <= 1e-5 * max(abs(d[key]), 1e-2), (key, m, d)
-    assert [r["reward_mean"] for r in rollouts] == [r["reward_mean"] for r in plain_rollouts]
-    assert max(abs(a["value_mean"] - b["value_mean"]) for a, b in zip(rollouts, plain_rollouts)) <= 1e-6
-    assert max(r["rollout_logprob_abs_diff"] for r in rollouts) <= 1e-5
+    _assert_same_ppo_rows(rows["plain"], rows["split"])
 
 
 @EXTENDED
@@ -272,7 +280,6 @@ def test_context_parallelism_changes_no_row_of_a_ppo_run_and_resumes_bit_for_bit
     every step row within 1e-5, the same rewards, values within 1e-6, behaviour log-probs within 1e-5 of the
     trainer's. Stopped after rollout 2's checkpoint and resumed, the CP run gives its own rows bit for bit, and the
     checkpoint's manifest records the context-parallel size."""
-    ppo = ("--dsrl.run.output_dir",)
     runs = {}
     for name, engine, extra in (
             ("tp2", {"kind": "megatron", "tensor_model_parallel_size": 2}, ()),
@@ -280,25 +287,14 @@ def test_context_parallelism_changes_no_row_of_a_ppo_run_and_resumes_bit_for_bit
             ("parts", {"kind": "megatron", "context_parallel_size": 2}, ("--dsrl.run.stop_after_rollouts", "2")),
             ("parts", {"kind": "megatron", "context_parallel_size": 2}, ("--resume", "auto"))):
         out = tmp_path / name
-        launch(["launch/train.py", "--ds_config", _ppo_file(tmp_path, engine), *ppo, str(out),
+        launch(["launch/train.py", "--ds_config", _ppo_file(tmp_path, engine), "--dsrl.run.output_dir", str(out),
                 "--dsrl.run.progress_bar", "false", *PPO_FLAGS, *extra], nprocs=2, timeout=900)
         runs[name] = (_rows(out, "step"), _rows(out, "rollout"))
-    (plain_steps, plain_rollouts), (steps, rollouts) = runs["tp2"], runs["cp2"]
-    assert len(steps) == 16
-    for d, m in zip(plain_steps, steps, strict=True):
-        for key in ("loss", "grad_norm", "critic_loss", "critic_grad_norm"):
-            if key in d:
-                assert abs(m[key] - d[key]) <= 1e-5 * max(abs(d[key]), 1e-2), (key, m, d)
-    assert [r["reward_mean"] for r in rollouts] == [r["reward_mean"] for r in plain_rollouts]
-    assert max(abs(a["value_mean"] - b["value_mean"]) for a, b in zip(rollouts, plain_rollouts)) <= 1e-6
-    assert max(r["rollout_logprob_abs_diff"] for r in rollouts) <= 1e-5
+    _assert_same_ppo_rows(runs["tp2"], runs["cp2"])
+    steps, rollouts = runs["cp2"]
 
-    def strip(rows: list[dict]) -> list[dict]:
-        return [{k: v for k, v in r.items() if not k.endswith("_s") and "per_s" not in k and "mib" not in k}
-                for r in rows]
-
-    assert strip(runs["parts"][1]) == strip(rollouts)
-    assert strip(runs["parts"][0]) == strip(steps)
+    assert _timeless(runs["parts"][1]) == _timeless(rollouts)
+    assert _timeless(runs["parts"][0]) == _timeless(steps)
     manifest = json.loads((tmp_path / "parts" / "checkpoints" / "rollout4" / "MANIFEST.json").read_text())
     assert manifest["engines"]["."]["context_parallel_size"] == 2
 

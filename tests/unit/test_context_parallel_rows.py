@@ -8,21 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsrl.backends.megatron.context_parallel import _sequence_order, cut_rows, global_positions, rows_multiple
-from dsrl.backends.megatron.cp import shard_for_context_parallel
+from dsrl.backends.megatron.context_parallel import global_positions, in_sequence_order, rows_multiple
+from dsrl.backends.megatron.cp import cut_along, shard_for_context_parallel
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_the_cut_is_megatrons_and_the_gather_order_restores_every_row(cp):
     length = 3 * rows_multiple(cp)
     rows = torch.arange(2 * length).reshape(2, length)
-    parts = [cut_rows(rows, cp, r) for r in range(cp)]
+    parts = [cut_along(rows, 1, cp, r) for r in range(cp)]
     for r, part in enumerate(parts):
         megatron = shard_for_context_parallel({"loss_mask": torch.ones(2, length), "ids": rows}, cp, r)["ids"]
         assert torch.equal(part, megatron)
         assert torch.equal(global_positions(part.shape[1], cp, r), part[0])  # row 0 holds its own positions
     gathered = torch.cat([p.t() for p in parts])  # the rank-ordered all-gather, sequence first
-    assert torch.equal(gathered.index_select(0, _sequence_order(parts[0].shape[1], cp)).t(), rows)
+    assert torch.equal(in_sequence_order(gathered, cp).t(), rows)
 
 
 def test_a_row_is_padded_to_whole_chunks_that_sequence_parallelism_splits_again():

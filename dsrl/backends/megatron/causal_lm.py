@@ -120,15 +120,15 @@ class _ChunkFace(torch.nn.Module):
         cp = self.context_group.size() if self.context_group is not None else 1
         if tp_split == 1 and cp == 1:
             return input_ids, position_ids
-        from dsrl.backends.megatron.context_parallel import cut_rows, rows_multiple
+        from dsrl.backends.megatron.context_parallel import rows_multiple
+        from dsrl.backends.megatron.cp import cut_along
         from dsrl.backends.megatron.sequence_parallel import pad_rows
 
-        input_ids, position_ids = pad_rows(input_ids, position_ids, rows_multiple(cp, tp_split) if cp > 1 else tp_split,
-                                           self.pad_id)
+        input_ids, position_ids = pad_rows(input_ids, position_ids, rows_multiple(cp, tp_split), self.pad_id)
         if cp == 1:
             return input_ids, position_ids
         rank = self.context_group.rank()
-        return cut_rows(input_ids, cp, rank), cut_rows(position_ids, cp, rank)
+        return cut_along(input_ids, 1, cp, rank), cut_along(position_ids, 1, cp, rank)
 
     def _whole(self, out: torch.Tensor, length: int) -> torch.Tensor:
         """The last stage's output ``[b, s, ...]`` of the ``length`` real positions: gathered over the tensor group

@@ -15,8 +15,9 @@ keeps (tested against the float64 reference, tests/distributed/test_megatron_che
   ``cp_comm_type = "all_gather"`` scheme (Llama 3's), not the ring of point-to-point exchanges: the whole keys and
   values of a row are on each rank for one layer at a time. :func:`context_parallel_spec` puts it in a local spec.
 - The engine's model face (:mod:`dsrl.backends.megatron.causal_lm`) cuts each row for its context rank
-  (:func:`cut_rows`, after padding it on the right to a multiple of ``2 cp``; causal attention: the real positions
-  never see the padding) and gathers the last stage's output back to whole rows before the head
+  (:func:`dsrl.backends.megatron.cp.cut_along`, the cut of a user's micro-batches, after padding the row on the
+  right to a multiple of ``2 cp``; causal attention: the real positions never see the padding) and gathers the last
+  stage's output back to whole rows before the head
   (:func:`gather_rows`), its gradient split back, not summed. Every rank of the context group then computes the same
   loss on the same tokens, as tensor peers do: the token counts exclude the context group
   (:class:`dsrl.backends.megatron.step.MegatronRLStep` with ``context_parallel_in_model``), and the sum of the
@@ -32,34 +33,24 @@ from typing import Any
 
 import torch
 
-from dsrl.backends.megatron.cp import cp_chunk_index
+from dsrl.backends.megatron.cp import cut_along, unshard_from_context_parallel
 
 
 def rows_multiple(cp: int, tp_split: int = 1) -> int:
-    """The multiple a row's length is padded to: ``2 cp`` chunks, each of a length that the tensor group splits
-    again under sequence parallelism (``tp_split``: the tensor-parallel size then, else 1)."""
-    return 2 * cp * tp_split
+    """The multiple a row's length is padded to: ``2 cp`` chunks under context parallelism (none without it), each of
+    a length that the tensor group splits again under sequence parallelism (``tp_split``: the tensor-parallel size
+    then, else 1)."""
+    return (2 * cp if cp > 1 else 1) * tp_split
 
 
 def global_positions(local_length: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
     """The sequence positions of the ``local_length`` rows that context rank ``rank`` holds (its two chunks)."""
-    chunk = local_length // 2
-    first, second = cp_chunk_index(cp, rank)
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
-                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+    return cut_along(torch.arange(local_length * cp, device=device), 0, cp, rank)
 
 
-def _sequence_order(local_length: int, cp: int, device: Any = None) -> torch.Tensor:
-    """For each sequence position, its row in the rank-ordered all-gather of every rank's ``local_length`` rows."""
-    gathered = torch.cat([global_positions(local_length, cp, r, device) for r in range(cp)])
-    return torch.argsort(gathered)
-
-
-def cut_rows(rows: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """``rows`` ``[b, s]`` (``s`` a multiple of ``2 cp``): context rank ``rank``'s two chunks, ``[b, 2 s / (2 cp)]``."""
-    b, s = rows.shape[:2]
-    chunks = rows.reshape(b, 2 * cp, s // (2 * cp), *rows.shape[2:])
-    return chunks[:, list(cp_chunk_index(cp, rank))].reshape(b, -1, *rows.shape[2:])
+def in_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+    """The rank-ordered all-gather of every context rank's two chunks (sequence first) put in sequence order."""
+    return unshard_from_context_parallel(list(gathered.chunk(cp, dim=0)), dim=0)
 
 
 def gather_rows(part: torch.Tensor, group: Any, length: int) -> torch.Tensor:
@@ -70,8 +61,7 @@ def gather_rows(part: torch.Tensor, group: Any, length: int) -> torch.Tensor:
 
     seq_first = part.transpose(0, 1).contiguous()
     gathered = gather_from_sequence_parallel_region(seq_first, tensor_parallel_output_grad=False, group=group)
-    order = _sequence_order(seq_first.shape[0], group.size(), gathered.device)
-    return gathered.index_select(0, order[:length]).transpose(0, 1)
+    return in_sequence_order(gathered, group.size())[:length].transpose(0, 1)
 
 
 class _CountedOnce(torch.autograd.Function):
@@ -124,10 +114,9 @@ class ContextParallelAttention(torch.nn.Module):
             raise ValueError("context-parallel attention runs causal rows without a mask or packed sequences")
         group, local = self.cp_group, query.shape[0]
         cp = group.size()
-        order = _sequence_order(local, cp, key.device)
         whole_key, whole_value = (
-            gather_from_sequence_parallel_region(t.contiguous(), tensor_parallel_output_grad=True,
-                                                 group=group).index_select(0, order) for t in (key, value))
+            in_sequence_order(gather_from_sequence_parallel_region(t.contiguous(), tensor_parallel_output_grad=True,
+                                                                   group=group), cp) for t in (key, value))
         positions = global_positions(local, cp, group.rank(), key.device)
         masked = (torch.arange(local * cp, device=key.device)[None, :] > positions[:, None])[None, None]
         return self.inner(query, whole_key, whole_value, masked, attention_bias=attention_bias)
@@ -147,5 +136,5 @@ def context_parallel_spec(spec: Any, config: Any) -> Any:
     return spec
 
 
-__all__ = ["ContextParallelAttention", "context_parallel_spec", "counted_once", "cut_rows", "gather_rows",
-           "global_positions", "rows_multiple"]
+__all__ = ["ContextParallelAttention", "context_parallel_spec", "counted_once", "gather_rows", "global_positions",
+           "in_sequence_order", "rows_multiple"]

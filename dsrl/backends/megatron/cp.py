@@ -36,7 +36,9 @@ def cp_chunk_index(cp_size: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
-def _shard(value: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+def cut_along(value: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """CP rank ``cp_rank``'s two chunks (:func:`cp_chunk_index`) of ``value`` along ``dim``, whose length is a
+    multiple of ``2 * cp_size``; :func:`unshard_from_context_parallel` is its inverse."""
     s = value.shape[dim]
     view = value.reshape(*value.shape[:dim], 2 * cp_size, s // (2 * cp_size), *value.shape[dim + 1:])
     idx = torch.tensor(cp_chunk_index(cp_size, cp_rank), device=value.device)
@@ -95,7 +97,7 @@ def shard_for_context_parallel(
         dim = 2 if key in _DIM2_KEYS else 1
         if dim == 2 and target != seq_len:
             value = _pad(value, 3, target) if value.dim() > 3 else value
-        out[key] = _shard(_pad(value, dim, target), dim, cp_size, cp_rank)
+        out[key] = cut_along(_pad(value, dim, target), dim, cp_size, cp_rank)
     return out
 
 
